@@ -1,0 +1,24 @@
+# make export / make test set up .venv/ first; `make setup` is a no-op while it is current.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: setup export test clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $@
+
+export: setup
+	$(PY) -m export $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+clean:
+	rm -rf artifacts .pytest_cache

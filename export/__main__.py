@@ -1,0 +1,67 @@
+"""python -m export: export a model's prefill and decode graphs with their manifest.
+
+Every AttentionConfig field has a flag; unset flags keep the preset's value.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from models import KINDS, PRESETS, AttentionConfig, preset
+
+from .exporter import export_model
+from .torch_export import DEFAULT_OPSET
+
+
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("config overrides (default: the preset's value, shown for minimind)")
+    for f in dataclasses.fields(AttentionConfig):
+        meta, default = f.metadata, PRESETS["minimind"].to_dict()[f.name]
+        kwargs = {"dest": f.name, "default": None, "help": f"{meta['help']} [{default}]".replace("%", "%%")}
+        if isinstance(default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs.update(type=type(default), metavar=type(default).__name__.upper(), choices=meta["choices"])
+            if meta["choices"]:
+                kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+        group.add_argument(f"--{meta['flag']}", **kwargs)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m export",
+        description="Export an attention block (or MiniMind decoder block) to two static ONNX graphs, "
+                    "prefill (T = chunk) and decode (T = 1), over a fixed-capacity KV cache, with "
+                    "manifest.json. Each graph is checked (onnx.checker, static shapes, parity against "
+                    "eager PyTorch in onnxruntime) before anything is written.")
+    p.add_argument("--preset", default="minimind", choices=sorted(PRESETS), help="named config to start from [minimind]")
+    p.add_argument("--kind", default="attention", choices=sorted(KINDS),
+                   help="attention: the attention block; block: the MiniMind decoder block (norm, attention, SwiGLU) [attention]")
+    p.add_argument("--out", help="output folder [artifacts/PRESET, or artifacts/PRESET-block for --kind block]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and the parity inputs [0]")
+    p.add_argument("--weights", metavar="PATH", help="a MiniMind state dict (.pt/.pth) to load instead of random weights")
+    p.add_argument("--layer", type=int, metavar="N", help="with a full MiniMind checkpoint: which model.layers.N to take")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset of the exported graphs [{DEFAULT_OPSET}]")
+    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    _config_flags(p)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(AttentionConfig) if getattr(args, f.name) is not None}
+    try:
+        config = preset(args.preset, **overrides)
+        out = args.out or f"artifacts/{args.preset}" + ("-block" if args.kind == "block" else "")
+        export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset)
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""manifest.json: what a consumer of the graphs needs to run them without our code."""
+from __future__ import annotations
+
+import onnx
+import onnxruntime
+import torch
+
+from models import AttentionConfig
+
+FORMAT = 1
+
+
+def build_manifest(config: AttentionConfig, kind: str, name: str, opset: int, graphs: list[dict],
+                   sequence_parity: dict, weights: dict) -> dict:
+    return {
+        "format": FORMAT,
+        "name": name,
+        "kind": kind,
+        "config": config.to_dict(),
+        "opset": opset,
+        "weights": weights,
+        "cache": {
+            "layout": "[B, Hkv, C, D]",
+            "shape": [config.batch, config.num_kv_heads, config.capacity, config.head_dim],
+            "dtype": "float16" if config.dtype == "fp16" else "float32",
+            "holds": "K after q/k norm and RoPE, and V, at their absolute positions",
+            "update": "present_* = past_* with the rows at position_ids written; rows after the last written "
+                      "position are unspecified and must not be relied on",
+        },
+        "positions": {
+            "input": "position_ids [B, T] int64",
+            "rule": "each row p0, p0+1, ..., p0+T-1 with 0 <= p0 and p0+T <= C",
+            "causality": "the query at position p attends to cache rows 0..p, whatever the later rows hold",
+            "prefill": f"prompts longer than T={config.chunk} go in chunks; the last chunk is right-padded "
+                       "and its padded outputs are ignored",
+        },
+        "graphs": graphs,
+        "sequence_parity": {"reference": "eager PyTorch full-sequence forward without a cache, fp32", **sequence_parity},
+        "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+    }

@@ -1,0 +1,85 @@
+"""A generation-style driver: chunked prefill, then decode steps, over a runtime-owned cache.
+
+The cache lives in two pairs of onnxruntime buffers on the session's device (host memory
+on CPU, GPU memory on CUDA) that are bound with IO binding and swapped after every step:
+the graph reads `past_*` from one pair and writes `present_*` into the other, so no cache
+byte crosses to the host and nothing is allocated per step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from .session import FeedError, StepSession
+
+
+class Generator:
+    def __init__(self, prefill: StepSession, decode: StepSession):
+        self.prefill_session, self.decode_session = prefill, decode
+        self.batch, self.chunk, self.hidden = prefill.spec("hidden_states")["shape"]
+        cache_shape, cache_dtype = prefill.spec("past_key")["shape"], np.dtype(prefill.spec("past_key")["dtype"])
+        self.capacity = cache_shape[2]
+        device = "cuda" if prefill.on_cuda else "cpu"
+        # Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite.
+        # One array per buffer: on CPU an OrtValue wraps its numpy array's memory.
+        self._past, self._present = [[ort.OrtValue.ortvalue_from_numpy(np.zeros(cache_shape, cache_dtype), device, 0)
+                                      for _ in range(2)] for _ in range(2)]
+        self.position = 0
+
+    def reset(self) -> None:
+        """Start a new sequence; old rows need no clearing, as a query only sees rows <= its position."""
+        self.position = 0
+
+    def cache(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the current key and value cache (rows >= position are unspecified)."""
+        return self._past[0].numpy().copy(), self._past[1].numpy().copy()
+
+    def prefill(self, x: np.ndarray) -> np.ndarray:
+        """Run a prompt [B, L, E] in chunks of T from the current position; returns [B, L, E].
+
+        The last chunk is right-padded with zeros and its padded outputs dropped. A tail
+        whose padded chunk would run past the cache goes through decode steps instead.
+        """
+        if x.ndim != 3 or x.shape[0] != self.batch or x.shape[2] != self.hidden:
+            raise FeedError(f"prompt: shape {list(x.shape)}; expected [{self.batch}, L, {self.hidden}]")
+        start, end = self.position, self.position + x.shape[1]
+        if not start < end <= self.capacity:
+            raise FeedError(f"prompt: length {x.shape[1]} at position {start}; expected 1..{self.capacity - start} "
+                            f"to fit the cache capacity {self.capacity}")
+        outputs = []
+        for p0 in range(start, end, self.chunk):
+            piece = x[:, p0 - start: p0 - start + self.chunk]
+            n = piece.shape[1]
+            if p0 + self.chunk > self.capacity:
+                outputs += [self.decode(piece[:, i:i + 1]) for i in range(n)]
+                continue
+            if n < self.chunk:
+                piece = np.concatenate([piece, np.zeros((self.batch, self.chunk - n, self.hidden), x.dtype)], axis=1)
+            outputs.append(self._step(self.prefill_session, piece, p0)[:, :n])
+            self.position = p0 + n
+        return np.concatenate(outputs, axis=1)
+
+    def decode(self, x: np.ndarray) -> np.ndarray:
+        """One token [B, 1, E] at the current position; returns [B, 1, E]."""
+        if self.position >= self.capacity:
+            raise FeedError(f"decode: position {self.position} is past the cache; expected < capacity {self.capacity}")
+        out = self._step(self.decode_session, x, self.position)
+        self.position += 1
+        return out
+
+    def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
+        t = session.spec("position_ids")["shape"][1]
+        position_ids = np.broadcast_to(np.arange(p0, p0 + t, dtype=np.int64), (self.batch, t)).copy()
+        session.check_input("hidden_states", x)
+        session.check_input("position_ids", position_ids)
+        binding = session.session.io_binding()
+        binding.bind_cpu_input("hidden_states", np.ascontiguousarray(x))
+        binding.bind_cpu_input("position_ids", position_ids)
+        binding.bind_ortvalue_input("past_key", self._past[0])
+        binding.bind_ortvalue_input("past_value", self._past[1])
+        binding.bind_output("output", "cpu")
+        binding.bind_ortvalue_output("present_key", self._present[0])
+        binding.bind_ortvalue_output("present_value", self._present[1])
+        session.session.run_with_iobinding(binding)
+        self._past, self._present = self._present, self._past
+        return binding.get_outputs()[0].numpy()

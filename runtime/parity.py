@@ -1,0 +1,78 @@
+"""Parity of onnxruntime against eager PyTorch, the only reference that counts.
+
+The reference is the eager model in fp32 (an fp16 model's weights upcast), so an fp16
+graph is measured against the truth, not against another fp16 computation.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from models import AttentionConfig
+from models.contract import example_inputs
+
+from .generate import Generator
+from .session import StepSession
+
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
+
+
+def error(actual: np.ndarray, expected: np.ndarray) -> dict:
+    """max |a - e|, and the same relative to max |e| (a normwise relative error)."""
+    diff = float(np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max())
+    scale = float(np.abs(expected.astype(np.float64)).max())
+    return {"max_abs": diff, "max_rel": diff / scale if scale else diff}
+
+
+def worst(errors: list[dict]) -> dict:
+    return {k: max(e[k] for e in errors) for k in ("max_abs", "max_rel")}
+
+
+def within(err: dict, dtype: str) -> bool:
+    """DESIGN.md: within tolerance in absolute or relative terms; NaN never passes."""
+    tol = TOLERANCE[dtype]
+    return bool(err["max_abs"] <= tol or err["max_rel"] <= tol)
+
+
+def reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model).float().eval()
+
+
+def _to_numpy(t: torch.Tensor, dtype) -> np.ndarray:
+    return t.detach().cpu().to(dtype).numpy() if t.is_floating_point() else t.detach().cpu().numpy()
+
+
+def step_parity(model, session: StepSession, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0) -> dict:
+    """One step at positions p0..p0+T-1 over a random cache; output and the written cache rows.
+
+    Rows after the last written one are unspecified by the contract, so they are not compared.
+    """
+    args = example_inputs(config, seq_len, p0, seed)
+    feeds = {name: _to_numpy(a, a.dtype) for name, a in zip(("hidden_states", "position_ids", "past_key", "past_value"), args)}
+    got = session.run(feeds)
+    with torch.no_grad():
+        ref = reference_model(model)(*[a.float() if a.is_floating_point() else a for a in args])
+    live = p0 + seq_len
+    errs = {"output": error(got["output"], ref[0].numpy()),
+            "present_key": error(got["present_key"][:, :, :live], ref[1][:, :, :live].numpy()),
+            "present_value": error(got["present_value"][:, :, :live], ref[2][:, :, :live].numpy())}
+    return {"p0": p0, **worst(list(errs.values())), "per_output": errs}
+
+
+def sequence_parity(model, generator: Generator, config: AttentionConfig, prompt_len: int, decode_steps: int,
+                    seed: int = 0) -> dict:
+    """Chunked prefill of a prompt, then decode steps, against the eager full-sequence forward (no cache)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(config.batch, prompt_len + decode_steps, config.hidden_size, generator=gen).to(config.torch_dtype)
+    with torch.no_grad():
+        ref = reference_model(model).forward_full(x.float()).numpy()
+    xs = x.numpy()
+    generator.reset()
+    outs = [generator.prefill(xs[:, :prompt_len])]
+    outs += [generator.decode(xs[:, i:i + 1]) for i in range(prompt_len, prompt_len + decode_steps)]
+    got = np.concatenate(outs, axis=1)
+    per_position = np.abs(got.astype(np.float64) - ref).max(axis=(0, 2))
+    return {"prompt_len": prompt_len, "decode_steps": decode_steps, **error(got, ref),
+            "worst_position": int(per_position.argmax())}

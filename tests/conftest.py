@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny exports made once per session and reused across tests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from export import export_model
+from models import AttentionConfig, build_model, preset
+from runtime import open_generator, open_step
+
+
+@dataclass
+class Artifact:
+    folder: Path
+    config: AttentionConfig
+    kind: str
+    manifest: dict
+
+    def model(self):
+        return build_model(self.config, self.kind, seed=0)
+
+    def session(self, step, **options):
+        return open_step(self.folder, step, provider="cpu", **options)
+
+    def generator(self, **options):
+        return open_generator(self.folder, provider="cpu", **options)
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """exported(kind="attention", **config_overrides) -> Artifact of the tiny preset, exported once."""
+    cache = {}
+
+    def get(kind: str = "attention", **overrides) -> Artifact:
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in cache:
+            folder = tmp_path_factory.mktemp("export")
+            config = preset("tiny", **overrides)
+            manifest = export_model(config, folder, kind=kind, log=lambda *_: None)
+            cache[key] = Artifact(folder, config, kind, manifest)
+        return cache[key]
+
+    return get
