@@ -10,10 +10,11 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-import torch
 
 from models import AttentionConfig, build_model, checksum
 from models.contract import STEPS, io_specs, step_len
+from passes.model_io import save
+from passes.pipeline import TARGETS, run_pipeline
 from runtime.generate import Generator
 from runtime.parity import TOLERANCE, sequence_parity, step_parity, within, worst
 from runtime.session import StepSession
@@ -23,20 +24,13 @@ from .manifest import build_manifest
 from .static_shapes import check_static
 from .torch_export import DEFAULT_OPSET, to_onnx
 
-EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; stay well clear of it
-TARGET = "raw"
+# Graphs whose cache write (TensorScatter, GroupQueryAttention) onnxruntime runs in place when
+# past and present are bound to one buffer; ScatterElements makes no such promise.
+IN_PLACE_TARGETS = ("onnx", "ort")
 
 
 class ParityError(AssertionError):
     """An exported graph computes something other than the eager model."""
-
-
-def save_onnx(model: ir.Model, path: Path) -> str | None:
-    """Save; weights go to `<file>.data` beside it when they would push the file near 2 GiB."""
-    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    data = f"{path.name}.data" if weight_bytes > EXTERNAL_DATA_BYTES else None
-    ir.save(model, path, external_data=data)
-    return data
 
 
 def parity_cases(config: AttentionConfig, step: str) -> list[int]:
@@ -47,41 +41,64 @@ def parity_cases(config: AttentionConfig, step: str) -> list[int]:
 
 def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "attention", seed: int = 0,
                  weights: str | None = None, layer: int | None = None, opset: int = DEFAULT_OPSET,
-                 name: str | None = None, log=print) -> dict:
+                 name: str | None = None, targets: tuple[str, ...] = TARGETS, log=print) -> dict:
     out_dir = Path(out_dir)
     model = build_model(config, kind, seed, weights, layer)
-    graphs, files = [], []
+    graphs, files, sequence = [], [], {}
     with staging(out_dir) as tmp:
         for step in STEPS:
-            t = step_len(config, step)
-            path = tmp / f"{step}.onnx"
-            data = save_onnx(to_onnx(model, config, t, opset), path)
-            onnx.checker.check_model(str(path), full_check=True)
-            check_static(path)
-            session = StepSession(path, provider="cpu")
-            cases = [step_parity(model, session, config, t, p0, seed) for p0 in parity_cases(config, step)]
-            err = worst(cases)
-            if not within(err, config.dtype):
-                raise ParityError(f"{step}.onnx: max error {err} against eager PyTorch; expected within {TOLERANCE[config.dtype]}")
-            files += [path.name] + ([data] if data else [])
-            graphs.append({"step": step, "target": TARGET, "file": path.name, "external_data": data,
-                           "bytes": path.stat().st_size + ((tmp / data).stat().st_size if data else 0),
-                           **io_specs(config, t),
-                           "parity": {"reference": "eager PyTorch, fp32", "tolerance": TOLERANCE[config.dtype], **err,
-                                      "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel")} for c in cases]}})
-        sessions = {g["step"]: StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu") for g in graphs}
-        seq = sequence_parity(model, Generator(sessions["prefill"], sessions["decode"]), config,
-                              prompt_len=min(config.capacity - 16, config.chunk + config.chunk // 2 + 1), decode_steps=16, seed=seed)
-        if not within(seq, config.dtype):
-            raise ParityError(f"sequence parity: max error {seq} against the eager full-sequence forward")
-        manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, seq,
+            exported = to_onnx(model, config, step_len(config, step), opset)
+            for target in targets:
+                entry = _build_graph(model, config, exported, step, target, tmp, seed)
+                files += [entry["file"]] + ([entry["external_data"]] if entry["external_data"] else [])
+                graphs.append(entry)
+        for target in targets:
+            sequence[target] = _sequence_parity(model, config, graphs, target, tmp, seed)
+        manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, sequence,
                                   {"source": weights or f"random(seed={seed})", "layer": layer, "checksum": checksum(model)})
         write_json(tmp / "manifest.json", manifest)
         publish(tmp, out_dir, files + ["manifest.json"])
     for g in graphs:
-        shapes = ", ".join(f"{s['name']}{s['shape']}" for s in g["inputs"][:2])
-        log(f"wrote {out_dir / g['file']} ({g['bytes'] / 1e6:.1f} MB, target {g['target']}): {shapes}; "
-            f"parity vs eager max abs {g['parity']['max_abs']:.2e} over p0={[c['p0'] for c in g['parity']['cases']]}")
-    log(f"wrote {out_dir / 'manifest.json'}: sequence parity (prefill {seq['prompt_len']} + {seq['decode_steps']} decode steps) "
-        f"max abs {seq['max_abs']:.2e}; cache {graphs[0]['inputs'][2]['shape']} {graphs[0]['inputs'][2]['dtype']}")
+        fusions = "; ".join(f"{p['pass']}: " + ", ".join(f"{v} {k}" for k, v in p["stats"].items())
+                            for p in g["passes"] if p["pass"].startswith(("fuse_", "lower_")))
+        log(f"wrote {out_dir / g['file']} ({g['bytes'] / 1e6:.1f} MB): parity vs eager max abs {g['parity']['max_abs']:.1e}"
+            + (f" | {fusions}" if fusions else ""))
+    shapes = ", ".join(f"{s['name']}{s['shape']}" for s in graphs[0]["inputs"])
+    log(f"wrote {out_dir / 'manifest.json'}: prefill inputs {shapes}; sequence parity (prefill + 16 decode steps) "
+        + ", ".join(f"{t} {sequence[t]['max_abs']:.1e}" for t in targets))
     return manifest
+
+
+def _build_graph(model, config: AttentionConfig, exported: ir.Model, step: str, target: str, tmp: Path, seed: int) -> dict:
+    """Run the target's passes on a copy of the exported graph, save it, and check it before it counts."""
+    graph = ir.serde.deserialize_model(ir.serde.serialize_model(exported))
+    report = run_pipeline(graph, target)
+    path = tmp / f"{step}.{target}.onnx"
+    data = save(graph, path)
+    if target != "ort":  # onnxruntime's contrib ops are not in ONNX's schema registry; ORT loads them below
+        onnx.checker.check_model(str(path), full_check=True)
+    check_static(path, strict=target != "ort")
+    t = step_len(config, step)
+    session = StepSession(path, provider="cpu")
+    cases = [step_parity(model, session, config, t, p0, seed) for p0 in parity_cases(config, step)]
+    err = worst(cases)
+    if not within(err, config.dtype):
+        raise ParityError(f"{path.name}: max error {err} against eager PyTorch; expected within {TOLERANCE[config.dtype]}")
+    return {"step": step, "target": target, "file": path.name, "external_data": data,
+            "bytes": path.stat().st_size + ((tmp / data).stat().st_size if data else 0),
+            "cache_in_place": target in IN_PLACE_TARGETS, **io_specs(config, t),
+            "parity": {"reference": "eager PyTorch, fp32", "tolerance": TOLERANCE[config.dtype], **err,
+                       "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel")} for c in cases]},
+            "passes": report["passes"]}
+
+
+def _sequence_parity(model, config: AttentionConfig, graphs: list[dict], target: str, tmp: Path, seed: int) -> dict:
+    sessions = {g["step"]: StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu",
+                                       cache_in_place=g["cache_in_place"])
+                for g in graphs if g["target"] == target}
+    seq = sequence_parity(model, Generator(sessions["prefill"], sessions["decode"]), config,
+                          prompt_len=min(config.capacity - 16, config.chunk + config.chunk // 2 + 1), decode_steps=16,
+                          seed=seed)
+    if not within(seq, config.dtype):
+        raise ParityError(f"{target}: sequence parity max error {seq} against the eager full-sequence forward")
+    return seq

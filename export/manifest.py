@@ -35,6 +35,7 @@ def build_manifest(config: AttentionConfig, kind: str, name: str, opset: int, gr
                        "and its padded outputs are ignored",
         },
         "graphs": graphs,
-        "sequence_parity": {"reference": "eager PyTorch full-sequence forward without a cache, fp32", **sequence_parity},
+        "sequence_parity": {"reference": "eager PyTorch full-sequence forward without a cache, fp32",
+                            "targets": sequence_parity},
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
     }

@@ -33,7 +33,8 @@ def graph_entry(manifest: dict, step: str, target: str = "raw") -> dict:
 def open_step(folder: str | Path, step: str, target: str = "raw", **session_options) -> StepSession:
     """A session for one graph, its feeds checked against the manifest's I/O specs."""
     g = graph_entry(load_manifest(folder), step, target)
-    return StepSession(Path(folder) / g["file"], g["inputs"], g["outputs"], **session_options)
+    return StepSession(Path(folder) / g["file"], g["inputs"], g["outputs"],
+                       cache_in_place=g.get("cache_in_place", False), **session_options)
 
 
 def open_generator(folder: str | Path, target: str = "raw", **session_options) -> Generator:

@@ -1,9 +1,10 @@
 """A generation-style driver: chunked prefill, then decode steps, over a runtime-owned cache.
 
-The cache lives in two pairs of onnxruntime buffers on the session's device (host memory
-on CPU, GPU memory on CUDA) that are bound with IO binding and swapped after every step:
-the graph reads `past_*` from one pair and writes `present_*` into the other, so no cache
-byte crosses to the host and nothing is allocated per step.
+The cache lives in onnxruntime buffers on the session's device (host memory on CPU, GPU
+memory on CUDA), bound with IO binding, so no cache byte crosses to the host and nothing
+is allocated per step. Graphs that update the cache in place (TensorScatter,
+GroupQueryAttention) get one buffer pair bound as both past_* and present_*; others read
+past_* from one pair and write present_* into a second, and the pairs swap each step.
 """
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ class Generator:
         device = "cuda" if prefill.on_cuda else "cpu"
         # Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite.
         # One array per buffer: on CPU an OrtValue wraps its numpy array's memory.
-        self._past, self._present = [[ort.OrtValue.ortvalue_from_numpy(np.zeros(cache_shape, cache_dtype), device, 0)
-                                      for _ in range(2)] for _ in range(2)]
+        new_pair = lambda: [ort.OrtValue.ortvalue_from_numpy(np.zeros(cache_shape, cache_dtype), device, 0)  # noqa: E731
+                            for _ in range(2)]
+        self.in_place = prefill.cache_in_place and decode.cache_in_place
+        self._past = new_pair()
+        self._present = self._past if self.in_place else new_pair()
         self.position = 0
 
     def reset(self) -> None:

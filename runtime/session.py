@@ -56,11 +56,12 @@ class StepSession:
     """One step graph (prefill or decode) in onnxruntime.
 
     `inputs`/`outputs` are the manifest's specs ({'name', 'shape', 'dtype'}); without
-    them the graph's own declared (static) inputs are the contract.
+    them the graph's own declared (static) inputs are the contract. `cache_in_place`
+    says the graph may read past_* and write present_* in one shared buffer.
     """
 
     def __init__(self, path: str | Path, inputs: list[dict] | None = None, outputs: list[dict] | None = None,
-                 provider: str = "auto", threads: int = 0, opt_level: str = "all"):
+                 provider: str = "auto", threads: int = 0, opt_level: str = "all", cache_in_place: bool = False):
         if opt_level not in OPT_LEVELS:
             raise ValueError(f"unknown graph optimisation level {opt_level!r}: expected one of {', '.join(OPT_LEVELS)}")
         options = ort.SessionOptions()
@@ -68,6 +69,7 @@ class StepSession:
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
         self.path = Path(path)
+        self.cache_in_place = cache_in_place
         self.session = ort.InferenceSession(str(path), options, providers=resolve_providers(provider))
         self.inputs = inputs or [self._spec(i) for i in self.session.get_inputs()]
         self.outputs = outputs or [self._spec(o) for o in self.session.get_outputs()]

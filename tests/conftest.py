@@ -21,11 +21,11 @@ class Artifact:
     def model(self):
         return build_model(self.config, self.kind, seed=0)
 
-    def session(self, step, **options):
-        return open_step(self.folder, step, provider="cpu", **options)
+    def session(self, step, target="raw", **options):
+        return open_step(self.folder, step, target, provider="cpu", **options)
 
-    def generator(self, **options):
-        return open_generator(self.folder, provider="cpu", **options)
+    def generator(self, target="raw", **options):
+        return open_generator(self.folder, target, provider="cpu", **options)
 
 
 @pytest.fixture(scope="session")

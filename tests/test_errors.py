@@ -62,8 +62,8 @@ def test_missing_manifest_or_graph(exported, tmp_path):
     (tmp_path / "manifest.json").write_text("{ truncated")
     with pytest.raises(ArtifactError, match="not valid JSON"):
         open_step(tmp_path, "decode")
-    with pytest.raises(ArtifactError, match=r"no decode graph for target 'ort'.*decode/raw"):
-        open_step(exported().folder, "decode", target="ort")
+    with pytest.raises(ArtifactError, match=r"no decode graph for target 'tpu'.*decode/ort"):
+        open_step(exported().folder, "decode", target="tpu")
 
 
 def test_unknown_provider_and_opt_level(exported):

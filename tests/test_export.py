@@ -10,6 +10,7 @@ import onnx.helper as oh
 import pytest
 
 import export.exporter
+import passes.model_io
 from export import ParityError, export_model
 from export.static_shapes import StaticShapeError, check_static
 from models import preset
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_artifacts_and_manifest(exported):
     art = exported("block")
     names = sorted(p.name for p in art.folder.iterdir())
-    assert names == ["decode.onnx", "manifest.json", "prefill.onnx"]  # and no staging leftovers
+    assert names == sorted(["manifest.json"] + [f"{s}.{t}.onnx" for s in ("prefill", "decode") for t in ("raw", "onnx", "ort")])
     m = json.loads((art.folder / "manifest.json").read_text())
     assert m == art.manifest
     assert m["kind"] == "block" and m["config"] == art.config.to_dict() and m["opset"] == 20
@@ -32,16 +33,19 @@ def test_artifacts_and_manifest(exported):
         model = onnx.load(str(art.folder / g["file"]))
         assert [i.name for i in model.graph.input] == list(INPUTS) == [s["name"] for s in g["inputs"]]
         assert [o.name for o in model.graph.output] == list(OUTPUTS) == [s["name"] for s in g["outputs"]]
-        assert g["inputs"][0]["shape"] == [1, t, 64] and g["target"] == "raw"
+        assert g["inputs"][0]["shape"] == [1, t, 64] and g["file"] == f"{g['step']}.{g['target']}.onnx"
         assert 0 <= g["parity"]["max_abs"] < 1e-4 and len(g["parity"]["cases"]) == 3
-    assert m["sequence_parity"]["decode_steps"] == 16 and m["sequence_parity"]["max_abs"] < 1e-4
+        assert [p["pass"] for p in g["passes"]][0] == "cleanup"
+    for target, seq in m["sequence_parity"]["targets"].items():
+        assert seq["decode_steps"] == 16 and seq["max_abs"] < 1e-4
 
 
 @pytest.mark.parametrize("kind", ["attention", "block"])
-def test_every_tensor_is_static(exported, kind):
+@pytest.mark.parametrize("target", ["raw", "onnx", "ort"])
+def test_every_tensor_is_static(exported, kind, target):
     art = exported(kind, batch=2, dtype="fp16")
     for step in ("prefill", "decode"):
-        assert check_static(art.folder / f"{step}.onnx") > 20
+        assert check_static(art.folder / f"{step}.{target}.onnx", strict=target != "ort") > 20
 
 
 def test_static_check_rejects_a_symbolic_dim(tmp_path):
@@ -60,7 +64,8 @@ def test_default_preset_exports(tmp_path):
     res = subprocess.run([sys.executable, "-m", "export", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 3 and "prefill.onnx" in lines[0] and "parity vs eager max abs" in lines[0]
+    assert len(lines) == 7 and "prefill.raw.onnx" in lines[0] and "parity vs eager max abs" in lines[0]
+    assert "fuse_attention: 1 fused, 0 unfused" in lines[1] and "lower_gqa: 1 fused, 0 unfused" in lines[2]
     m = json.loads((out / "manifest.json").read_text())
     assert m["graphs"][0]["inputs"][0]["shape"] == [1, 128, 768]
     assert m["graphs"][1]["inputs"][2]["shape"] == [1, 4, 2048, 96]
@@ -68,26 +73,26 @@ def test_default_preset_exports(tmp_path):
 
 
 def test_large_weights_go_to_external_data(tmp_path, monkeypatch):
-    monkeypatch.setattr(export.exporter, "EXTERNAL_DATA_BYTES", 0)
-    m = export_model(preset("tiny"), tmp_path, log=lambda *_: None)
+    monkeypatch.setattr(passes.model_io, "EXTERNAL_DATA_BYTES", 0)
+    m = export_model(preset("tiny"), tmp_path, targets=("raw",), log=lambda *_: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "decode.onnx", "decode.onnx.data", "manifest.json", "prefill.onnx", "prefill.onnx.data"]
-    assert m["graphs"][0]["external_data"] == "prefill.onnx.data"
-    assert (tmp_path / "prefill.onnx").stat().st_size < m["graphs"][0]["bytes"] / 2
+        "decode.raw.onnx", "decode.raw.onnx.data", "manifest.json", "prefill.raw.onnx", "prefill.raw.onnx.data"]
+    assert m["graphs"][0]["external_data"] == "prefill.raw.onnx.data"
+    assert (tmp_path / "prefill.raw.onnx").stat().st_size < m["graphs"][0]["bytes"] / 2
 
 
 def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
     """A parity failure after the graphs were written: a new folder disappears, an old one is untouched."""
     monkeypatch.setattr(export.exporter, "within", lambda err, dtype: False)
-    with pytest.raises(ParityError, match="prefill.onnx: max error"):
+    with pytest.raises(ParityError, match="prefill.raw.onnx: max error"):
         export_model(preset("tiny"), tmp_path / "new", log=lambda *_: None)
     assert not (tmp_path / "new").exists()
     old = tmp_path / "old"
     old.mkdir()
-    (old / "prefill.onnx").write_bytes(b"previous")
+    (old / "prefill.raw.onnx").write_bytes(b"previous")
     with pytest.raises(ParityError):
         export_model(preset("tiny"), old, log=lambda *_: None)
-    assert [p.name for p in old.iterdir()] == ["prefill.onnx"] and (old / "prefill.onnx").read_bytes() == b"previous"
+    assert [p.name for p in old.iterdir()] == ["prefill.raw.onnx"] and (old / "prefill.raw.onnx").read_bytes() == b"previous"
 
 
 def test_weights_change_the_graph(exported, tmp_path):
@@ -95,4 +100,4 @@ def test_weights_change_the_graph(exported, tmp_path):
     a = exported()
     b = export_model(a.config, tmp_path, seed=1, log=lambda *_: None)
     assert a.manifest["weights"]["checksum"] != b["weights"]["checksum"]
-    assert onnx.load(str(a.folder / "decode.onnx")).graph.initializer != onnx.load(str(tmp_path / "decode.onnx")).graph.initializer
+    assert onnx.load(str(a.folder / "decode.raw.onnx")).graph.initializer != onnx.load(str(tmp_path / "decode.raw.onnx")).graph.initializer

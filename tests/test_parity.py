@@ -14,16 +14,20 @@ CONFIGS = {
 }
 
 
+TARGETS = ["raw", "onnx", "ort"]
+
+
 @pytest.mark.parametrize("kind", ["attention", "block"])
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("step", ["prefill", "decode"])
-def test_step_parity(exported, kind, name, step):
+@pytest.mark.parametrize("target", TARGETS)
+def test_step_parity(exported, kind, name, step, target):
     art = exported(kind, **CONFIGS[name])
-    model, session, c = art.model(), art.session(step), art.config
+    model, session, c = art.model(), art.session(step, target), art.config
     t = c.chunk if step == "prefill" else 1
     for p0 in (0, 7, c.capacity - t):  # empty cache, mid-cache, the last rows
         err = step_parity(model, session, c, t, p0, seed=p0)
-        print(f"{kind}/{name}/{step} p0={p0}: max abs {err['max_abs']:.2e}, rel {err['max_rel']:.2e}")
+        print(f"{kind}/{name}/{step}/{target} p0={p0}: max abs {err['max_abs']:.2e}, rel {err['max_rel']:.2e}")
         assert within(err, c.dtype), err
         if c.dtype == "fp32":
             assert err["max_abs"] < TOLERANCE["fp32"]
@@ -31,19 +35,23 @@ def test_step_parity(exported, kind, name, step):
 
 @pytest.mark.parametrize("kind", ["attention", "block"])
 @pytest.mark.parametrize("name", ["gqa", "mha", "mqa-b2", "fp16"])
-def test_sequence_parity(exported, kind, name):
+@pytest.mark.parametrize("target", TARGETS)
+def test_sequence_parity(exported, kind, name, target):
     """A prompt longer than one chunk (last chunk padded), then 16 decode steps, against the no-cache forward."""
     art = exported(kind, **CONFIGS[name])
     c = art.config
-    res = sequence_parity(art.model(), art.generator(), c, prompt_len=c.chunk + 9, decode_steps=16, seed=3)
-    print(f"{kind}/{name}: sequence max abs {res['max_abs']:.2e}, worst at position {res['worst_position']}")
+    gen = art.generator(target)
+    assert gen.in_place == (target != "raw")  # fused cache writes share one buffer for past and present
+    res = sequence_parity(art.model(), gen, c, prompt_len=c.chunk + 9, decode_steps=16, seed=3)
+    print(f"{kind}/{name}/{target}: sequence max abs {res['max_abs']:.2e}, worst at position {res['worst_position']}")
     assert within(res, c.dtype), res
 
 
-def test_sequence_parity_when_the_last_chunk_would_overrun_the_cache(exported):
+@pytest.mark.parametrize("target", TARGETS)
+def test_sequence_parity_when_the_last_chunk_would_overrun_the_cache(exported, target):
     """C=40, T=16: a 38-token prompt cannot pad its third chunk to 48 rows; its tail decodes instead."""
     art = exported(capacity=40)
-    res = sequence_parity(art.model(), art.generator(), art.config, prompt_len=38, decode_steps=2, seed=4)
+    res = sequence_parity(art.model(), art.generator(target), art.config, prompt_len=38, decode_steps=2, seed=4)
     assert within(res, "fp32"), res
     gen = art.generator()
     gen.prefill(np.zeros((1, 38, 64), np.float32))
@@ -66,9 +74,10 @@ def test_sequence_parity_fails_on_a_broken_cache(exported):
     assert not within(res, "fp32")
 
 
-def test_causality_rows_beyond_the_position_change_nothing(exported):
+@pytest.mark.parametrize("target", TARGETS)
+def test_causality_rows_beyond_the_position_change_nothing(exported, target):
     art = exported()
-    c, session = art.config, art.session("prefill")
+    c, session = art.config, art.session("prefill", target)
     rng = np.random.default_rng(0)
     p0 = 20
     feeds = {"hidden_states": rng.standard_normal((1, c.chunk, c.hidden_size), np.float32),
@@ -85,13 +94,14 @@ def test_causality_rows_beyond_the_position_change_nothing(exported):
     assert np.abs(session.run(past)["output"] - base).max() > 1e-2
 
 
-def test_sdpa_switch_gives_the_same_graph_outputs(exported):
+@pytest.mark.parametrize("target", TARGETS)
+def test_sdpa_switch_gives_the_same_graph_outputs(exported, target):
     plain, sdpa = exported(), exported(sdpa=True)
     for step, t in (("prefill", plain.config.chunk), ("decode", 1)):
         from models.contract import example_inputs
         args = example_inputs(plain.config, t, p0=9, seed=5)
         feeds = dict(zip(("hidden_states", "position_ids", "past_key", "past_value"), (a.numpy() for a in args)))
-        a, b = plain.session(step).run(feeds), sdpa.session(step).run(feeds)
+        a, b = plain.session(step, target).run(feeds), sdpa.session(step, target).run(feeds)
         with torch.no_grad():
             ref = plain.model()(*args)[0].numpy()
         assert np.abs(a["output"] - b["output"]).max() < 1e-5

@@ -1,0 +1,60 @@
+"""Loading and saving ONNX files: a clear error for what is not a model, atomic writes for what is."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; stay well clear of it
+
+
+class ModelFileError(ValueError):
+    """A path that does not hold a readable ONNX model, or cannot take one."""
+
+
+def load(path: str | Path) -> ir.Model:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"input {path}: not found; expected an ONNX file")
+    if path.stat().st_size == 0:
+        raise ModelFileError(f"input {path}: empty file; expected an ONNX model")
+    try:
+        proto = onnx.load(str(path))
+        onnx.checker.check_model(proto)
+        return ir.serde.deserialize_model(proto)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelFileError(f"input {path}: not a valid ONNX model ({first[:160]})") from None
+
+
+def save(model: ir.Model, path: Path) -> str | None:
+    """Save to `path` (weights to `<file>.data` beside it when large); returns the data file's name."""
+    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    data = f"{path.name}.data" if weight_bytes > EXTERNAL_DATA_BYTES else None
+    ir.save(model, path, external_data=data)
+    return data
+
+
+def save_atomic(model: ir.Model, path: str | Path) -> None:
+    """Write beside `path` under a temporary name, then rename: `path` is the old file or the whole new one."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ModelFileError(f"output {path}: folder {path.parent} does not exist; expected an existing folder")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
+    except OSError as e:
+        raise ModelFileError(f"output {path}: folder cannot be written ({e.strerror}); expected a writable folder") from None
+    try:
+        staged = tmp / path.name
+        data = save(model, staged)
+        for name in ([data] if data else []) + [path.name]:
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp / name, path.parent / name)
+    finally:
+        for leftover in tmp.iterdir():
+            leftover.unlink()
+        tmp.rmdir()

@@ -1,0 +1,66 @@
+"""--verify: the graph before and after the passes, run in onnxruntime on the same random feeds.
+
+Feeds respect each input's static shape and dtype; integer inputs get consecutive
+positions 0..T-1 per row (what every index-like input in a step graph expects). Outputs
+named present_* are compared on the rows up to the last position written, since the step
+contract leaves later rows unspecified (fused cache writes need not keep them).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+TOLERANCE = {np.dtype("float32"): 1e-4, np.dtype("float16"): 1e-2, np.dtype("float64"): 1e-9}
+_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+          "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+
+
+class VerifyError(ValueError):
+    """The graph cannot be run to verify it."""
+
+
+def random_feeds(session: ort.InferenceSession, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for arg in session.get_inputs():
+        if any(not isinstance(d, int) for d in arg.shape) or arg.type not in _NUMPY:
+            raise VerifyError(f"input {arg.name}: {arg.type} {arg.shape}; expected a static tensor input to make feeds for")
+        dtype, shape = _NUMPY[arg.type], arg.shape
+        if np.issubdtype(dtype, np.integer):
+            feeds[arg.name] = np.broadcast_to(np.arange(shape[-1] if shape else 1, dtype=dtype), shape).copy()
+        elif dtype == np.bool_:
+            feeds[arg.name] = rng.random(shape) < 0.5
+        else:
+            feeds[arg.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def _session(model_bytes_or_path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model_bytes_or_path, options, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise VerifyError(f"onnxruntime cannot load the graph: {str(e).strip().splitlines()[0][:200]}") from None
+
+
+def compare(before, after, seed: int = 0) -> dict:
+    """Max error per output of `after` against `before` (paths or serialized models)."""
+    s0, s1 = _session(before), _session(after)
+    feeds = random_feeds(s0, seed)
+    names = [o.name for o in s0.get_outputs()]
+    try:
+        ref, got = s0.run(names, feeds), s1.run(names, feeds)
+    except Exception as e:
+        raise VerifyError(f"running the graphs failed: {str(e).strip().splitlines()[0][:200]}") from None
+    last = max((int(v.max()) for v in feeds.values() if np.issubdtype(v.dtype, np.integer) and v.size), default=None)
+    results = {}
+    for name, r, g in zip(names, ref, got):
+        if name.startswith("present") and last is not None and r.ndim >= 3:
+            r, g = r[:, :, : last + 1], g[:, :, : last + 1]
+        diff = float(np.abs(r.astype(np.float64) - g.astype(np.float64)).max()) if r.size else 0.0
+        scale = float(np.abs(r.astype(np.float64)).max()) if r.size else 0.0
+        tol = TOLERANCE.get(r.dtype, 0.0)
+        results[name] = {"max_abs": diff, "max_rel": diff / scale if scale else diff, "tolerance": tol,
+                         "ok": bool(diff <= tol or (scale and diff / scale <= tol) or np.array_equal(r, g))}
+    return results
