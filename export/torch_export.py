@@ -1,4 +1,4 @@
-"""Eager module -> ONNX for one step of the contract, through torch.export and torch.onnx (dynamo)."""
+"""Eager module -> ONNX through torch.export (strict=False) and torch.onnx.export(dynamo=True), at static shapes."""
 from __future__ import annotations
 
 import contextlib
@@ -16,14 +16,17 @@ DEFAULT_OPSET = 20  # torch.onnx's own default: the primitive ops every runtime 
 
 
 def to_onnx(model: torch.nn.Module, config: AttentionConfig, seq_len: int, opset: int = DEFAULT_OPSET) -> ir.Model:
-    """Export the step at a fixed T: no dynamic_shapes, so every dim in the graph is a number."""
-    args = example_inputs(config, seq_len)
-    exported = torch.export.export(model, args, strict=False)
-    quiet = io.StringIO()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(quiet), _quiet_logs():
+    """The step of the contract at a fixed T."""
+    return export_module(model, example_inputs(config, seq_len), INPUTS, OUTPUTS, opset)
+
+
+def export_module(module: torch.nn.Module, args: tuple, input_names, output_names, opset: int = DEFAULT_OPSET) -> ir.Model:
+    """No dynamic_shapes: every dim in the graph is a number."""
+    exported = torch.export.export(module, tuple(args), strict=False)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _quiet_logs():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(exported, args, dynamo=True, input_names=list(INPUTS),
-                                    output_names=list(OUTPUTS), opset_version=opset, verbose=False)
+        program = torch.onnx.export(exported, tuple(args), dynamo=True, input_names=list(input_names),
+                                    output_names=list(output_names), opset_version=opset, verbose=False)
     return program.model
 
 

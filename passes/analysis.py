@@ -79,13 +79,18 @@ def _movement_consts_known(node: ir.Node) -> bool:
     return all(const(v) is not None for v in node.inputs[1:] if v is not None)
 
 
-def element_ids(trace: Trace) -> np.ndarray | None:
-    """Run the trace's chain on ids 0..n-1 laid out in the source's shape; None if a shape is unknown."""
-    shape = static_shape(trace.source)
+def chain_value(trace: Trace, start: int) -> ir.Value:
+    """The value the chain's node `start` reads: the source for 0, else the output of node start - 1."""
+    return trace.source if start == 0 else trace.chain[start - 1].outputs[0]
+
+
+def element_ids(trace: Trace, start: int = 0) -> np.ndarray | None:
+    """Run the chain from node `start` on ids 0..n-1 laid out in `chain_value(trace, start)`'s shape."""
+    shape = static_shape(chain_value(trace, start))
     if shape is None:
         return None
     x = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
-    for node in trace.chain:
+    for node in trace.chain[start:]:
         x = _move(node, x)
         if x is None:
             return None

@@ -23,7 +23,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import as_view, const, element_ids, group_repeat, scalar, static_shape, trace_movement
+from .analysis import as_view, chain_value, const, element_ids, group_repeat, scalar, static_shape, trace_movement
 from .base import FusionPass, NotFused, Skip
 from .build import Builder, replace_value
 
@@ -43,17 +43,17 @@ class FuseAttention(FusionPass):
         k_trace = trace_movement(matmul_scores.inputs[1], allow_scale=True)
         v_trace = trace_movement(matmul_out.inputs[1])
         q_ids, kt_ids, v_ids = (_ids(t, what) for t, what in ((q_trace, "Q"), (k_trace, "K^T"), (v_trace, "V")))
-        if kt_ids.ndim != 4:
-            raise NotFused(f"K^T has rank {kt_ids.ndim}; expected [B, H, D, S]")
+        if (q_ids.ndim, kt_ids.ndim, v_ids.ndim) != (4, 4, 4):
+            raise NotFused(f"Q, K^T, V have ranks {q_ids.ndim}, {kt_ids.ndim}, {v_ids.ndim}; expected 4D [B, heads, S, D]")
         k_ids = kt_ids.swapaxes(-1, -2)
         heads = q_ids.shape[1]
         if k_ids.shape[1] != heads or v_ids.shape[1] != heads:
             raise NotFused(f"Q has {heads} heads but K/V reach the MatMuls with {k_ids.shape[1]}/{v_ids.shape[1]}")
         rep = math.gcd(group_repeat(k_ids), group_repeat(v_ids))
         b = Builder(model, matmul_out, f"{self.name}/{node.name}")
-        q = _operand(b, matmul_scores.inputs[0], q_trace, q_ids, "Q", keep=q_trace.scale == 1.0)
-        k = _operand(b, None, k_trace, k_ids[:, ::rep], "K")
-        v = _operand(b, matmul_out.inputs[1], v_trace, v_ids[:, ::rep], "V", keep=rep == 1)
+        q = _operand(b, q_trace, lambda ids: ids, "Q")
+        k = _operand(b, k_trace, lambda ids: ids.swapaxes(-1, -2)[:, ::rep], "K")
+        v = _operand(b, v_trace, lambda ids: ids[:, ::rep], "V")
         inputs = [q, k, v] + ([_mask(b, masks, q.dtype)] if masks else [])
         attrs = {"scale": float(scale * q_trace.scale * k_trace.scale)}
         if fp32_softmax and q.dtype != ir.DataType.FLOAT:
@@ -61,7 +61,7 @@ class FuseAttention(FusionPass):
         out = matmul_out.outputs[0]
         fused = b.op("Attention", inputs, static_shape(out), out.dtype, **attrs)
         replace_value(out, fused)
-        self.stats["repeat_removed"] += rep > 1
+        self._count_repeat(node, rep, k_ids)
 
     def _drop_repeat(self, model: ir.Model, node: ir.Node) -> None:
         """An existing Attention with 4D K/V: remove a GQA repeat in front of them, if there is one."""
@@ -74,9 +74,17 @@ class FuseAttention(FusionPass):
         if rep == 1:
             raise Skip  # nothing repeated: already the fused form
         b = Builder(model, node, f"{self.name}/{node.name}")
-        node.replace_input_with(1, _operand(b, None, k_trace, k_ids[:, ::rep], "K"))
-        node.replace_input_with(2, _operand(b, None, v_trace, v_ids[:, ::rep], "V"))
-        self.stats["repeat_removed"] += 1
+        node.replace_input_with(1, _operand(b, k_trace, lambda ids: ids[:, ::rep], "K"))
+        node.replace_input_with(2, _operand(b, v_trace, lambda ids: ids[:, ::rep], "V"))
+        self._count_repeat(node, rep, k_ids)
+
+    def _count_repeat(self, node: ir.Node, rep: int, k_ids: np.ndarray) -> None:
+        if rep > 1:
+            self.stats["repeat_removed"] += 1
+        elif np.unique(k_ids).size < k_ids.size:
+            self.stats["repeat_kept"] += 1
+            self.note(node, "K/V heads are repeated in an order Attention cannot group (not h0,h0,h1,h1): "
+                            "fused with the repeat kept")
 
 
 def _ids(trace, what: str) -> np.ndarray:
@@ -86,10 +94,20 @@ def _ids(trace, what: str) -> np.ndarray:
     return ids
 
 
-def _operand(b: Builder, value, trace, ids: np.ndarray, what: str, keep: bool = False) -> ir.Value:
-    """`value` itself when usable as is, else the reshape/transpose of the traced source that gives `ids`."""
-    if keep and value is not None:
-        return value
+def _operand(b: Builder, trace, select, what: str) -> ir.Value:
+    """The fused op's operand: `select` maps the chain's element ids to the operand's.
+
+    The latest value along the chain that already is the operand (often the cache
+    itself) is used as is; failing that, a reshape/transpose of the traced source.
+    """
+    for start in range(len(trace.chain), -1, -1):
+        ids = element_ids(trace, start)
+        if ids is None:
+            continue
+        ids = select(ids)
+        if static_shape(chain_value(trace, start)) == ids.shape and np.array_equal(ids.reshape(-1), np.arange(ids.size)):
+            return chain_value(trace, start)
+    ids = select(element_ids(trace))
     view = as_view(ids, static_shape(trace.source))
     if view is None:
         raise NotFused(f"{what} is not a reshape/transpose of {trace.source.name} once a consecutive (h0,h0,h1,h1) "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import evaluate, position_source, sample_positions, static_shape
+from .analysis import attr, evaluate, position_source, sample_positions, static_shape
 from .base import FusionPass, NotFused
 from .build import Builder, replace_value
 
@@ -28,12 +28,16 @@ class FuseCacheWrite(FusionPass):
         data, indices, update = node.inputs[:3]
         if node.attributes.get("reduction") is not None and node.attributes["reduction"].value != "none":
             raise NotFused(f"scatter with reduction={node.attributes['reduction'].value}; expected a plain write")
-        cache, upd = static_shape(data), static_shape(update)
-        if cache is None or upd is None or len(cache) != len(upd) or len(cache) < 2:
-            raise NotFused(f"cache {cache} and update {upd} are not static tensors of one rank")
+        frame_upd = static_shape(update)
+        past, perm = _cache_frame(data)
+        cache = static_shape(past)
+        if cache is None or frame_upd is None or len(cache) != len(frame_upd) or len(cache) < 2:
+            raise NotFused(f"cache {cache} and update {frame_upd} are not static tensors of one rank")
+        inv = tuple(int(i) for i in np.argsort(perm))
+        upd = tuple(frame_upd[i] for i in inv)  # the update seen in the cache's own layout
         pos = position_source(indices, "scatter indices", NotFused)
         batch, length = static_shape(pos)
-        axis = _seq_axis(node, cache, upd, length)
+        axis = _seq_axis(node, perm, cache, upd, length)
         if cache[0] != batch or upd[0] != batch:
             raise NotFused(f"cache batch {cache[0]} / update batch {upd[0]} differ from positions batch {batch}")
         for sample in sample_positions(batch, length, cache[axis], pos.dtype.numpy()):
@@ -41,7 +45,10 @@ class FuseCacheWrite(FusionPass):
                 (idx,) = evaluate(model, [pos], [indices], [sample])
             except ValueError as e:
                 raise NotFused(f"scatter indices cannot be evaluated from {pos.name} alone ({e})") from None
-            if not np.array_equal(_destinations(node.op_type, idx, node, upd), _expected(sample, upd, axis)):
+            dest = _destinations(node.op_type, idx, node, frame_upd)
+            if dest is not None:  # into the cache's layout: permute the coordinates, then the update's axes
+                dest = dest[..., list(inv)].transpose(*inv, len(inv))
+            if dest is None or not np.array_equal(dest, _expected(sample, upd, axis)):
                 raise NotFused(f"scatter does not write update row t to cache row position[b, t] along axis {axis}")
         b = Builder(model, node, f"{self.name}/{node.name}")
         if id(pos) not in self._write_index:
@@ -49,18 +56,30 @@ class FuseCacheWrite(FusionPass):
             if pos.dtype != ir.DataType.INT64:
                 first = b.op("Cast", [first], [batch], ir.DataType.INT64, to=int(ir.DataType.INT64))
             self._write_index[id(pos)] = first
-        out = b.op("TensorScatter", [data, update, self._write_index[id(pos)]], cache, data.dtype, axis=axis)
-        replace_value(node.outputs[0], out)
+        written = b.op("TensorScatter", [past, b.view(update, frame_upd, inv), self._write_index[id(pos)]],
+                       cache, past.dtype, axis=axis)
+        replace_value(node.outputs[0], b.view(written, cache, perm))
 
 
-def _seq_axis(node: ir.Node, cache, upd, length: int) -> int:
-    differing = [a for a in range(1, len(cache)) if cache[a] != upd[a]]
+def _cache_frame(data: ir.Value) -> tuple[ir.Value, tuple[int, ...]]:
+    """(cache, perm) with data == cache.transpose(perm): torch scatters index_copy along axis 0 of a transposed cache."""
+    perm, value = list(range(len(data.shape or ()))), data
+    while (node := value.producer()) is not None and node.op_type == "Transpose":
+        perm = [attr(node, "perm")[i] for i in perm]
+        value = node.inputs[0]
+    return value, tuple(perm)
+
+
+def _seq_axis(node: ir.Node, perm, cache, upd, length: int) -> int:
+    """The cache axis the rows are written along, in the cache's own layout."""
     if node.op_type == "ScatterElements":
-        axis = node.attributes["axis"].value % len(cache) if "axis" in node.attributes else 0
-    elif len(differing) == 1:
-        axis = differing[0]
+        frame_axis = node.attributes["axis"].value % len(cache) if "axis" in node.attributes else 0
+        axis = perm[frame_axis]
     else:
-        raise NotFused(f"cannot tell the sequence axis of cache {cache} from update {upd}")
+        differing = [a for a in range(1, len(cache)) if cache[a] != upd[a]]
+        if len(differing) != 1:
+            raise NotFused(f"cannot tell the sequence axis of cache {cache} from update {upd}")
+        axis = differing[0]
     if upd[axis] != length or any(cache[a] != upd[a] for a in range(len(cache)) if a != axis):
         raise NotFused(f"update {upd} is not the cache {cache} with {length} rows along axis {axis}")
     return axis

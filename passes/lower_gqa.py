@@ -1,19 +1,23 @@
-"""lower_gqa: Attention over a TensorScatter-written cache  ==>  com.microsoft.GroupQueryAttention.
+"""lower_gqa: a fused `Attention` that GroupQueryAttention can express  ==>  com.microsoft.GroupQueryAttention.
 
-GroupQueryAttention writes the new K/V rows itself and masks causally by position:
-query i of batch b sees rows 0 .. seqlens_k[b] - T + 1 + i. That equals the graph only
-when the Attention's K and V are TensorScatter writes at positions[:, 0] and its mask
-is exactly `row <= positions[b, t]`; the mask is checked by running its subgraph for
-sample positions. Then seqlens_k = positions[:, -1] and total_sequence_length =
-max(positions[:, -1]) + 1 are computed in the graph, and the caches pass through as
-past_key/past_value, so onnxruntime can share one buffer for past and present.
+GroupQueryAttention masks causally by position by itself: query i of batch b sees rows
+0 .. seqlens_k[b] - T + 1 + i. Two graph shapes mean exactly that:
+
+- over a static cache: K and V are TensorScatter writes at positions[:, 0] and the mask
+  is `row <= positions[b, t]`, checked by running the mask subgraph for sample
+  positions. GQA then takes the new rows and the caches as past_key/past_value (one
+  buffer for past and present in onnxruntime); seqlens_k = positions[:, -1] and
+  total_sequence_length = max(positions[:, -1]) + 1 are computed in the graph;
+- without a cache: T == S and the mask is the constant lower triangle (or is_causal).
+
+Anything else stays a standard Attention, which onnxruntime also runs.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import attr, evaluate, position_source, sample_positions, static_shape
+from .analysis import attr, const, evaluate, position_source, sample_positions, static_shape
 from .base import FusionPass, NotFused
 from .build import Builder, replace_value
 
@@ -25,67 +29,110 @@ class LowerToGQA(FusionPass):
     def fuse(self, model: ir.Model, node: ir.Node) -> None:
         q, k, v = node.inputs[:3]
         mask = node.inputs[3] if len(node.inputs) > 3 else None
-        if len(node.inputs) > 4 and any(x is not None for x in node.inputs[4:]):
-            raise NotFused("Attention has past_key/past_value/nonpad inputs; expected a TensorScatter-written cache")
-        for name in ("is_causal", "softcap", "qk_matmul_output_mode"):
-            if attr(node, name, 0):
-                raise NotFused(f"Attention has {name}={attr(node, name)}; GroupQueryAttention has no equivalent here")
-        writes = [x.producer() for x in (k, v)]
-        if any(w is None or w.op_type != "TensorScatter" for w in writes):
-            raise NotFused("K/V are not TensorScatter cache writes (a cache-free graph): kept as standard Attention")
-        if writes[0].inputs[2] is not writes[1].inputs[2] or any(attr(w, "mode", "linear") != "linear" for w in writes):
-            raise NotFused("K and V caches are written at different indices or in circular mode")
-        (batch, heads, length, dim), (_, kv_heads, capacity, _) = static_shape(q), static_shape(k)
-        if any(attr(w, "axis", -2) % 4 != 2 for w in writes):
-            raise NotFused("cache is not written along axis 2 of [B, Hkv, C, D]")
-        if dim % 8 or static_shape(v)[3] != dim:
-            raise NotFused(f"head_dim {dim} (V {static_shape(v)[3]}): onnxruntime's GroupQueryAttention needs equal "
-                           "Q/K/V head sizes that are multiples of 8")
-        if batch > 1 and length > 1:
-            raise NotFused(f"batch {batch} with T={length}: onnxruntime's GroupQueryAttention runs a chunk over a "
-                           "non-empty cache only at batch 1")
-        if q.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
-            raise NotFused(f"dtype {q.dtype}; GroupQueryAttention runs float32 and float16")
-        if mask is None:
-            raise NotFused("no mask: GroupQueryAttention always masks causally, the graph does not")
-        pos = position_source(writes[0].inputs[2], "cache write indices", NotFused)
-        _check_causal(model, mask, pos, capacity, length)
-
+        _check_expressible(node, q, k, v)
+        (batch, heads, length, dim), kv_heads = static_shape(q), static_shape(k)[1]
         b = Builder(model, node, f"{self.name}/{node.name}")
-        packed = lambda x, h: b.op("Reshape", [b.op("Transpose", [x], [batch, length, h, dim], x.dtype, perm=[0, 2, 1, 3]),  # noqa: E731
-                                               b.const(np.array([batch, length, h * dim], np.int64), "shape")],
-                                   [batch, length, h * dim], x.dtype)
-        last = b.op("Gather", [pos, b.const(np.array(length - 1, np.int64), "last")], [batch], pos.dtype, axis=1)
-        seqlens = b.op("Cast", [last], [batch], ir.DataType.INT32, to=int(ir.DataType.INT32))
-        total = b.op("Add", [b.op("ReduceMax", [seqlens], [], ir.DataType.INT32, keepdims=0),
-                             b.const(np.array(1, np.int32), "one")], [], ir.DataType.INT32)
-        cache = [batch, kv_heads, capacity, dim]
+        writes = [x.producer() for x in (k, v)]
+        if all(w is not None and w.op_type == "TensorScatter" for w in writes):
+            pos = _check_cache_writes(model, writes, mask, batch, length, static_shape(k)[2])
+            new_k, new_v, past_k, past_v = writes[0].inputs[1], writes[1].inputs[1], writes[0].inputs[0], writes[1].inputs[0]
+            last = b.op("Gather", [pos, b.const(np.array(length - 1, np.int64), "last")], [batch], pos.dtype, axis=1)
+            seqlens = b.op("Cast", [last], [batch], ir.DataType.INT32, to=int(ir.DataType.INT32))
+            total = b.op("Add", [b.op("ReduceMax", [seqlens], [], ir.DataType.INT32, keepdims=0),
+                                 b.const(np.array(1, np.int32), "one")], [], ir.DataType.INT32)
+        else:
+            _check_cache_free(node, mask, length, static_shape(k)[2], writes)
+            new_k, new_v, past_k, past_v = k, v, None, None
+            seqlens = b.const(np.full([batch], length - 1, np.int32), "seqlens_k")
+            total = b.const(np.array(length, np.int32), "total_sequence_length")
+        packed = [_to_bsh(b, x) for x in (q, new_k, new_v)]
+        cache = static_shape(past_k) if past_k is not None else [batch, kv_heads, length, dim]
         out, present_k, present_v = b.op(
-            "GroupQueryAttention",
-            [packed(q, heads), packed(writes[0].inputs[1], kv_heads), packed(writes[1].inputs[1], kv_heads),
-             writes[0].inputs[0], writes[1].inputs[0], seqlens, total],
-            None, None, domain="com.microsoft", num_outputs=3,
-            shapes=[[batch, length, heads * dim], cache, cache], dtypes=[q.dtype] * 3,
+            "GroupQueryAttention", packed + [past_k, past_v, seqlens, total], None, None, domain="com.microsoft",
+            num_outputs=3, shapes=[[batch, length, heads * dim], cache, cache], dtypes=[q.dtype] * 3,
             num_heads=heads, kv_num_heads=kv_heads, scale=float(attr(node, "scale", dim ** -0.5)))
         heads_first = b.op("Transpose", [b.op("Reshape", [out, b.const(np.array([batch, length, heads, dim], np.int64), "shape")],
                                               [batch, length, heads, dim], q.dtype)],
                            [batch, heads, length, dim], q.dtype, perm=[0, 2, 1, 3])
         replace_value(node.outputs[0], heads_first)
-        replace_value(writes[0].outputs[0], present_k)
-        replace_value(writes[1].outputs[0], present_v)
+        if past_k is not None:
+            replace_value(k, present_k)
+            replace_value(v, present_v)
         model.opset_imports.setdefault("com.microsoft", 1)
+        self.stats["over_cache" if past_k is not None else "cache_free"] += 1
 
 
-def _check_causal(model: ir.Model, mask: ir.Value, pos: ir.Value, capacity: int, length: int) -> None:
-    """The mask must be True exactly where cache row <= position[b, t] (any broadcast over heads)."""
+def _to_bsh(b: Builder, x: ir.Value) -> ir.Value:
+    """[B, heads, T, D] -> [B, T, heads * D], the layout GroupQueryAttention reads."""
+    batch, heads, length, dim = static_shape(x)
+    moved = b.op("Transpose", [x], [batch, length, heads, dim], x.dtype, perm=[0, 2, 1, 3])
+    return b.op("Reshape", [moved, b.const(np.array([batch, length, heads * dim], np.int64), "shape")],
+                [batch, length, heads * dim], x.dtype)
+
+
+def _check_expressible(node: ir.Node, q: ir.Value, k: ir.Value, v: ir.Value) -> None:
+    if len(node.inputs) > 4 and any(x is not None for x in node.inputs[4:]):
+        raise NotFused("Attention has past_key/past_value/nonpad_kv_seqlen inputs; expected K/V as whole tensors")
+    for name in ("softcap", "qk_matmul_output_mode"):
+        if attr(node, name, 0):
+            raise NotFused(f"Attention has {name}={attr(node, name)}; GroupQueryAttention has no equivalent")
+    shapes = [static_shape(x) for x in (q, k, v)]
+    if any(s is None or len(s) != 4 for s in shapes):
+        raise NotFused(f"Q/K/V shapes {shapes}; expected static [B, heads, S, D]")
+    dim = shapes[0][3]
+    if dim % 8 or shapes[1][3] != dim or shapes[2][3] != dim:
+        raise NotFused(f"head sizes Q {dim}, K {shapes[1][3]}, V {shapes[2][3]}: onnxruntime's GroupQueryAttention "
+                       "needs them equal and a multiple of 8")
+    if q.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+        raise NotFused(f"dtype {q.dtype}; GroupQueryAttention runs float32 and float16")
+
+
+def _check_cache_writes(model, writes, mask, batch: int, length: int, capacity: int) -> ir.Value:
+    """The caches are written at the positions the causal mask is built from; returns the positions input."""
+    if writes[0].inputs[2] is not writes[1].inputs[2] or any(attr(w, "mode", "linear") != "linear" for w in writes):
+        raise NotFused("K and V caches are written at different indices or in circular mode")
+    if any(attr(w, "axis", -2) % 4 != 2 for w in writes):
+        raise NotFused("cache is not written along axis 2 of [B, Hkv, C, D]")
+    if batch > 1 and length > 1:
+        raise NotFused(f"batch {batch} with T={length}: onnxruntime's GroupQueryAttention runs a chunk over a "
+                       "non-empty cache only at batch 1")
+    if mask is None:
+        raise NotFused("no mask: GroupQueryAttention always masks causally, the graph does not")
+    pos = position_source(writes[0].inputs[2], "cache write indices", NotFused)
     if position_source(mask, "attention mask", NotFused) is not pos:
         raise NotFused("the mask is computed from another input than the cache write positions")
-    batch = static_shape(pos)[0]
     for sample in sample_positions(batch, length, capacity, pos.dtype.numpy()):
         (m,) = evaluate(model, [pos], [mask], [sample])
         want = np.arange(capacity)[None, None, None, :] <= sample[:, None, :, None]
-        if m.dtype != np.bool_:
-            m = m == 0  # additive: 0 where visible, -big elsewhere
-        if m.ndim > 4 or not np.array_equal(np.broadcast_to(m, np.broadcast_shapes(m.shape, want.shape)),
-                                            np.broadcast_to(want, np.broadcast_shapes(m.shape, want.shape))):
+        if not _same_mask(m, want):
             raise NotFused("the mask is not causal by absolute position (row <= position)")
+    return pos
+
+
+def _check_cache_free(node: ir.Node, mask, length: int, kv_length: int, writes) -> None:
+    if any(w is not None and w.op_type == "TensorScatter" for w in writes):
+        raise NotFused("only one of K and V is a TensorScatter cache write")
+    if kv_length != length:
+        raise NotFused(f"K/V have {kv_length} rows for {length} queries and no cache write: not a causal prefill")
+    causal = np.tril(np.ones((length, length), bool))[None, None]
+    if mask is None:
+        if not attr(node, "is_causal", 0):
+            raise NotFused("no mask and is_causal=0: GroupQueryAttention always masks causally")
+        return
+    m = const(mask)
+    if m is None:
+        raise NotFused(f"mask {mask.name} is computed at run time; GroupQueryAttention takes only a causal mask")
+    if not _same_mask(m, causal):
+        raise NotFused("the constant mask is not the causal lower triangle")
+
+
+def _same_mask(mask: np.ndarray, want: np.ndarray) -> bool:
+    """A boolean (True = attend) or additive (0 = attend, very negative elsewhere) mask equal to `want`."""
+    if mask.dtype != np.bool_:
+        if not np.all((mask == 0) | (mask <= -1e4)):
+            return False
+        mask = mask == 0
+    if mask.ndim > 4:
+        return False
+    shape = np.broadcast_shapes(mask.shape, want.shape)
+    return np.array_equal(np.broadcast_to(mask, shape), np.broadcast_to(want, shape))

@@ -21,7 +21,7 @@ def passes_for(target: str) -> list:
         "onnx": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("onnx"), FuseAttention(), FuseCacheWrite(),
                          Cleanup()],
         "ort": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("ort"), FuseAttention(), FuseCacheWrite(),
-                        LowerToGQA(), Cleanup()],
+                        Cleanup(), LowerToGQA(), Cleanup()],
     }
     if target not in pipelines:
         raise ValueError(f"unknown target {target!r}: expected one of {', '.join(pipelines)}")

@@ -1,0 +1,83 @@
+"""The fusion corpus: attention graphs exported by torch.onnx from common ways of writing attention.
+
+Each case is an eager module, example inputs, and how it is exported; `export_case`
+gives the raw ONNX graph the passes start from. Cached cases keep the step contract.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from export.torch_export import export_module
+from models import build_model, init_random_, preset
+from models.contract import INPUTS, OUTPUTS, example_inputs
+
+from .variants import Variant, VariantAttention
+
+CONFIG = preset("tiny")
+
+VARIANTS = [
+    Variant("course: repeat_kv, /sqrt(D), masked_fill -inf, fp32 softmax, scatter"),
+    Variant("mul scale, index_copy", scale="mul", write="index_copy"),
+    Variant("scale folded into Q, index_put, finfo.min mask", scale="q", write="index_put", mask="finfo"),
+    Variant("scale folded into K, offset slice write, additive -1e9 mask", scale="k", write="offset_put", mask="additive"),
+    Variant("no scale, repeat_interleave, softmax(dtype=float32)", scale="none", repeat="repeat_interleave", softmax="dtype"),
+    Variant("permute(0,1,3,2), expand+flatten repeat, plain softmax", scores="permute", repeat="expand_flatten", softmax="plain"),
+    Variant("K.mT, mul scale, expand+flatten", scores="mT", scale="mul", repeat="expand_flatten"),
+    Variant("no cache: constant causal triu", mask="triu", write="none"),
+    Variant("SDPA (opset 23 Attention) after repeat_kv, cached", sdpa=True),
+    Variant("SDPA (opset 23 Attention) after repeat_interleave, no cache", sdpa=True, repeat="repeat_interleave", write="none"),
+]
+
+
+@dataclass
+class Case:
+    name: str
+    module: torch.nn.Module
+    args: tuple
+    cached: bool
+    opset: int = 20
+    dtype: str = "fp32"
+    input_names: tuple = field(default=INPUTS)
+    output_names: tuple = field(default=OUTPUTS)
+
+
+def _variant_case(variant: Variant, config=CONFIG, suffix="", decode=False) -> Case:
+    module = init_random_(VariantAttention(config, variant), seed=1).to(config.torch_dtype).eval()
+    t = 1 if decode else config.chunk
+    opset = 23 if variant.sdpa else 20
+    if variant.cached:
+        return Case(variant.name + suffix, module, example_inputs(config, t, p0=5), True, opset, config.dtype)
+    return Case(variant.name + suffix, module, example_inputs(config, t)[:1], False, opset, config.dtype,
+                ("hidden_states",), ("output",))
+
+
+def _hf_case(family: str) -> Case:
+    from .hf import HFPrefill
+    c = CONFIG
+    module = init_random_(HFPrefill(family, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), seed=2).eval()
+    return Case(f"transformers {family} eager attention, prefill with causal mask", module,
+                example_inputs(c, c.chunk)[:1], False, 20, "fp32", ("hidden_states",), ("output",))
+
+
+def _own_case(kind: str, step: str) -> Case:
+    model = build_model(CONFIG, kind)
+    t = CONFIG.chunk if step == "prefill" else 1
+    return Case(f"this project's {kind} block, {step}", model, example_inputs(CONFIG, t, p0=5), True)
+
+
+def cases(transformers: bool = True) -> list[Case]:
+    from .hf import FAMILIES
+    out = [_variant_case(v) for v in VARIANTS]
+    out.append(_variant_case(VARIANTS[0], suffix=", decode", decode=True))
+    out.append(_variant_case(VARIANTS[0], CONFIG.replace(dtype="fp16"), suffix=", fp16 (fp32 softmax between Casts)"))
+    out.append(_variant_case(Variant("MHA (H == Hkv), no repeat", softmax="plain"), CONFIG.replace(num_kv_heads=4)))
+    out += [_own_case(kind, step) for kind in ("attention", "block") for step in ("prefill", "decode")]
+    if transformers:
+        out += [_hf_case(f) for f in FAMILIES]
+    return out
+
+
+def export_case(case: Case):
+    return export_module(case.module, case.args, case.input_names, case.output_names, case.opset)
