@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup export test clean
+.PHONY: setup export test fusion-table clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,9 @@ export: setup
 
 test: setup
 	$(PY) -m pytest $(ARGS)
+
+fusion-table: setup
+	$(PY) -m corpus
 
 clean:
 	rm -rf artifacts .pytest_cache

@@ -5,12 +5,12 @@ gives the raw ONNX graph the passes start from. Cached cases keep the step contr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from export.torch_export import export_module
-from models import build_model, init_random_, preset
+from models import AttentionConfig, build_model, init_random_, preset
 from models.contract import INPUTS, OUTPUTS, example_inputs
 
 from .variants import Variant, VariantAttention
@@ -35,44 +35,50 @@ VARIANTS = [
 class Case:
     name: str
     module: torch.nn.Module
-    args: tuple
+    config: AttentionConfig
+    seq_len: int
     cached: bool
     opset: int = 20
-    dtype: str = "fp32"
-    input_names: tuple = field(default=INPUTS)
-    output_names: tuple = field(default=OUTPUTS)
+
+    @property
+    def input_names(self) -> tuple:
+        return INPUTS if self.cached else INPUTS[:1]
+
+    @property
+    def output_names(self) -> tuple:
+        return OUTPUTS if self.cached else OUTPUTS[:1]
+
+    def inputs(self, p0: int = 0, seed: int = 0) -> tuple:
+        """Eager/graph inputs: the contract's for cached cases (positions from p0), else hidden_states alone."""
+        args = example_inputs(self.config, self.seq_len, p0, seed)
+        return args if self.cached else args[:1]
 
 
-def _variant_case(variant: Variant, config=CONFIG, suffix="", decode=False) -> Case:
+def variant_case(variant: Variant, config=CONFIG, suffix="", decode=False) -> Case:
     module = init_random_(VariantAttention(config, variant), seed=1).to(config.torch_dtype).eval()
-    t = 1 if decode else config.chunk
-    opset = 23 if variant.sdpa else 20
-    if variant.cached:
-        return Case(variant.name + suffix, module, example_inputs(config, t, p0=5), True, opset, config.dtype)
-    return Case(variant.name + suffix, module, example_inputs(config, t)[:1], False, opset, config.dtype,
-                ("hidden_states",), ("output",))
+    return Case(variant.name + suffix, module, config, 1 if decode else config.chunk, variant.cached,
+                23 if variant.sdpa else 20)
 
 
 def _hf_case(family: str) -> Case:
     from .hf import HFPrefill
     c = CONFIG
     module = init_random_(HFPrefill(family, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), seed=2).eval()
-    return Case(f"transformers {family} eager attention, prefill with causal mask", module,
-                example_inputs(c, c.chunk)[:1], False, 20, "fp32", ("hidden_states",), ("output",))
+    return Case(f"transformers {family} eager attention, prefill with causal mask", module, c, c.chunk, False)
 
 
 def _own_case(kind: str, step: str) -> Case:
-    model = build_model(CONFIG, kind)
-    t = CONFIG.chunk if step == "prefill" else 1
-    return Case(f"this project's {kind} block, {step}", model, example_inputs(CONFIG, t, p0=5), True)
+    name = "attention block" if kind == "attention" else "decoder block"
+    return Case(f"this project's {name}, {step}", build_model(CONFIG, kind), CONFIG,
+                CONFIG.chunk if step == "prefill" else 1, True)
 
 
 def cases(transformers: bool = True) -> list[Case]:
     from .hf import FAMILIES
-    out = [_variant_case(v) for v in VARIANTS]
-    out.append(_variant_case(VARIANTS[0], suffix=", decode", decode=True))
-    out.append(_variant_case(VARIANTS[0], CONFIG.replace(dtype="fp16"), suffix=", fp16 (fp32 softmax between Casts)"))
-    out.append(_variant_case(Variant("MHA (H == Hkv), no repeat", softmax="plain"), CONFIG.replace(num_kv_heads=4)))
+    out = [variant_case(v) for v in VARIANTS]
+    out.append(variant_case(VARIANTS[0], suffix=", decode", decode=True))
+    out.append(variant_case(VARIANTS[0], CONFIG.replace(dtype="fp16"), suffix=", fp16 (fp32 softmax between Casts)"))
+    out.append(variant_case(Variant("MHA (H == Hkv), no repeat", softmax="plain"), CONFIG.replace(num_kv_heads=4)))
     out += [_own_case(kind, step) for kind in ("attention", "block") for step in ("prefill", "decode")]
     if transformers:
         out += [_hf_case(f) for f in FAMILIES]
@@ -80,4 +86,4 @@ def cases(transformers: bool = True) -> list[Case]:
 
 
 def export_case(case: Case):
-    return export_module(case.module, case.args, case.input_names, case.output_names, case.opset)
+    return export_module(case.module, case.inputs(), case.input_names, case.output_names, case.opset)

@@ -25,7 +25,7 @@ class Variant:
     scale: str = "div"          # div | mul | q | k | none
     mask: str = "masked_fill"   # masked_fill (-inf) | finfo (finfo.min) | additive (course's (1 - m) * -1e9) | triu (no cache)
     softmax: str = "fp32"       # fp32 (.float() ... type_as) | dtype (softmax(dtype=float32)) | plain
-    repeat: str = "repeat_kv"   # repeat_kv | repeat_interleave | expand_flatten
+    repeat: str = "repeat_kv"   # repeat_kv | repeat_interleave | expand_flatten | tile (h0,h1,h0,h1: not GQA's order)
     write: str = "scatter"      # scatter | index_copy | index_put | offset_put (cache[..., p0 + arange] = k) | none
     sdpa: bool = False          # F.scaled_dot_product_attention after the repeat (opset-23 Attention)
 
@@ -80,6 +80,8 @@ class VariantAttention(nn.Module):
             return repeat_kv(x.transpose(1, 2), n).transpose(1, 2)
         if self.v.repeat == "repeat_interleave":
             return x.repeat_interleave(n, dim=1)
+        if self.v.repeat == "tile":
+            return x.repeat(1, n, 1, 1)
         b, h, s, d = x.shape
         return x[:, :, None].expand(b, h, n, s, d).flatten(1, 2)
 

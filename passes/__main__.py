@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from .leftovers import unfused_attention
+from .leftovers import FUSED_OPS, unfused_attention
 from .model_io import load, save_atomic
 from .pipeline import TARGETS, run_pipeline
 from .verify import compare
@@ -51,10 +51,15 @@ def run(args) -> int:
     report.update(input=str(args.input), output=str(args.output))
     failures = []
     report["unfused"] = unfused_attention(model, report["passes"])
+    report["fused_ops"] = sum((n.domain, n.op_type) in FUSED_OPS for n in model.graph)
     for left in report["unfused"]:
         print(f"unfused: {left['op']} {left['node']}: {left['reason']}")
+    if not report["fused_ops"] and not report["unfused"]:
+        print("nothing to fuse: no attention (Softmax between two MatMuls) in the graph")
     if args.require_fusion and report["unfused"]:
         failures.append(f"{len(report['unfused'])} attention subgraph(s) left unfused (--require-fusion)")
+    elif args.require_fusion and not report["fused_ops"]:
+        failures.append("no attention to fuse in the graph (--require-fusion)")
     if args.verify:
         results = compare(str(args.input), ir.serde.serialize_model(model).SerializeToString())
         report["verify"] = results
