@@ -9,6 +9,7 @@ from .cleanup import Cleanup
 from .fuse_attention import FuseAttention
 from .fuse_cache_write import FuseCacheWrite
 from .fuse_rmsnorm import FuseRMSNorm
+from .fuse_rope import FuseRoPE
 from .lower_gqa import LowerToGQA
 from .upgrade_opset import UpgradeOpset
 
@@ -18,10 +19,10 @@ OPSET = 24
 def passes_for(target: str) -> list:
     pipelines = {
         "raw": lambda: [Cleanup()],
-        "onnx": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("onnx"), FuseAttention(), FuseCacheWrite(),
-                         Cleanup()],
-        "ort": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("ort"), FuseAttention(), FuseCacheWrite(),
-                        Cleanup(), LowerToGQA(), Cleanup()],
+        "onnx": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("onnx"), FuseRoPE("onnx"), FuseAttention(),
+                         FuseCacheWrite(), Cleanup()],
+        "ort": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("ort"), FuseRoPE("ort"), FuseAttention(),
+                        FuseCacheWrite(), Cleanup(), LowerToGQA(), Cleanup()],
     }
     if target not in pipelines:
         raise ValueError(f"unknown target {target!r}: expected one of {', '.join(pipelines)}")

@@ -29,10 +29,11 @@ def test_ort_target_with_every_check(raw, tmp_path, capsys):
     assert any(line.startswith("lower_gqa: 1 fused, 0 unfused") for line in lines)
     assert lines[-2].startswith("verify: output max abs") and lines[-1] == f"wrote {out}"
     r = json.loads(report.read_text())
-    assert [p["pass"] for p in r["passes"]] == ["cleanup", "upgrade_opset", "fuse_rmsnorm", "fuse_attention",
+    assert [p["pass"] for p in r["passes"]] == ["cleanup", "upgrade_opset", "fuse_rmsnorm", "fuse_rope", "fuse_attention",
                                                 "fuse_cache_write", "cleanup", "lower_gqa", "cleanup"]
     assert r["unfused"] == [] and r["fused_ops"] == 1 and all(v["ok"] for v in r["verify"].values())
-    assert {n.op_type for n in onnx.load(str(out)).graph.node} >= {"GroupQueryAttention", "SimplifiedLayerNormalization"}
+    assert {n.op_type for n in onnx.load(str(out)).graph.node} >= {
+        "GroupQueryAttention", "SimplifiedLayerNormalization", "RotaryEmbedding"}
     assert sha(raw) == before  # the input is never modified
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx", "report.json"]  # no temp files left
 
@@ -65,8 +66,8 @@ def test_no_attention_is_nothing_to_fuse(tmp_path, capsys):
 def test_dump_after_every_pass(raw, tmp_path):
     assert main([str(raw), str(tmp_path / "o.onnx"), "--target", "onnx", "--dump-dir", str(tmp_path / "dump")]) == 0
     assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == [
-        "00-cleanup.onnx", "01-upgrade_opset.onnx", "02-fuse_rmsnorm.onnx", "03-fuse_attention.onnx",
-        "04-fuse_cache_write.onnx", "05-cleanup.onnx"]
+        "00-cleanup.onnx", "01-upgrade_opset.onnx", "02-fuse_rmsnorm.onnx", "03-fuse_rope.onnx",
+        "04-fuse_attention.onnx", "05-fuse_cache_write.onnx", "06-cleanup.onnx"]
 
 
 @pytest.mark.parametrize("content, message", [
