@@ -23,6 +23,7 @@ VARIANTS = [
     Variant("scale folded into Q, index_put, finfo.min mask", scale="q", write="index_put", mask="finfo"),
     Variant("scale folded into K, offset slice write, additive -1e9 mask", scale="k", write="offset_put", mask="additive"),
     Variant("no scale, repeat_interleave, softmax(dtype=float32)", scale="none", repeat="repeat_interleave", softmax="dtype"),
+    Variant("Q scaled before its transpose", scale="q_early"),
     Variant("permute(0,1,3,2), expand+flatten repeat, plain softmax", scores="permute", repeat="expand_flatten", softmax="plain"),
     Variant("K.mT, mul scale, expand+flatten", scores="mT", scale="mul", repeat="expand_flatten"),
     Variant("no cache: constant causal triu", mask="triu", write="none"),

@@ -22,7 +22,7 @@ from models.attention import apply_rotary_pos_emb, precompute_freqs_cis, repeat_
 class Variant:
     name: str
     scores: str = "transpose"   # transpose | permute | mT
-    scale: str = "div"          # div | mul | q | k | none
+    scale: str = "div"          # div | mul | q | k | q_early (q scaled before its transpose) | none
     mask: str = "masked_fill"   # masked_fill (-inf) | finfo (finfo.min) | additive (course's (1 - m) * -1e9) | triu (no cache)
     softmax: str = "fp32"       # fp32 (.float() ... type_as) | dtype (softmax(dtype=float32)) | plain
     repeat: str = "repeat_kv"   # repeat_kv | repeat_interleave | expand_flatten | tile (h0,h1,h0,h1: not GQA's order)
@@ -53,6 +53,8 @@ class VariantAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.c.num_kv_heads, -1)
         v = self.v_proj(x).view(b, t, self.c.num_kv_heads, -1)
         q, k = apply_rotary_pos_emb(q, k, self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype))
+        if self.v.scale == "q_early":
+            q = q * (1.0 / math.sqrt(q.shape[-1]))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # [B, heads, T, D]
         if self.v.cached:
             k, v = self._write(past_key, k, position_ids), self._write(past_value, v, position_ids)

@@ -47,15 +47,19 @@ def attr(node: ir.Node, name: str, default=None):
 
 @dataclass
 class Trace:
-    """`value` = chain(source) * scale, with `chain` the movement nodes from source to value."""
+    """`value` = chain(source) * scale, with `chain` the movement nodes from source to value.
+
+    Values after chain node `unscaled - 1` already carry (part of) the scale.
+    """
     source: ir.Value
     chain: list[ir.Node] = field(default_factory=list)
     scale: float = 1.0
+    unscaled: int = 0
 
 
 def trace_movement(value: ir.Value, allow_scale: bool = False) -> Trace:
     """Walk back from `value` while the producer only moves data (or, if allowed, scales by a constant)."""
-    chain, scale = [], 1.0
+    chain, scale, scaled_after = [], 1.0, 0
     while (node := value.producer()) is not None:
         data = node.inputs[0] if node.inputs else None
         if node.op_type in MOVEMENT_OPS and data is not None and _movement_consts_known(node):
@@ -65,14 +69,14 @@ def trace_movement(value: ir.Value, allow_scale: bool = False) -> Trace:
         if allow_scale and node.op_type in ("Mul", "Div") and len(node.inputs) == 2:
             a, b = node.inputs
             if node.op_type == "Mul" and scalar(a) is not None and scalar(b) is None:
-                scale, value = scale * scalar(a), b
+                scale, value, scaled_after = scale * scalar(a), b, len(chain)
                 continue
             if scalar(b) is not None and scalar(a) is None and scalar(b) != 0:
                 scale = scale * scalar(b) if node.op_type == "Mul" else scale / scalar(b)
-                value = a
+                value, scaled_after = a, len(chain)
                 continue
         break
-    return Trace(value, chain[::-1], scale)
+    return Trace(value, chain[::-1], scale, len(chain) - scaled_after)
 
 
 def _movement_consts_known(node: ir.Node) -> bool:

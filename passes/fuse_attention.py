@@ -98,9 +98,10 @@ def _operand(b: Builder, trace, select, what: str) -> ir.Value:
     """The fused op's operand: `select` maps the chain's element ids to the operand's.
 
     The latest value along the chain that already is the operand (often the cache
-    itself) is used as is; failing that, a reshape/transpose of the traced source.
+    itself) and carries none of the folded scale is used as is; failing that, a
+    reshape/transpose of the traced source.
     """
-    for start in range(len(trace.chain), -1, -1):
+    for start in range(trace.unscaled, -1, -1):
         ids = element_ids(trace, start)
         if ids is None:
             continue

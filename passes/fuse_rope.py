@@ -120,7 +120,6 @@ def _layout(x_shape, cos_shape) -> str:
 
 def _tables(model, cos, sin, batch, length, dim, layout):
     """(positions input or None, cos table [P, D/2], sin table [P, D/2]), read off the graph by evaluation."""
-    half = dim // 2
     sources = {id(s): s for v in (cos, sin) for s in graph_input_ancestors(v)}
     if not sources:
         c, s = const(cos), const(sin)
@@ -140,7 +139,7 @@ def _tables(model, cos, sin, batch, length, dim, layout):
     for p0 in range(0, capacity, length):
         p0 = min(p0, capacity - length)
         sample = np.broadcast_to(np.arange(p0, p0 + length), (batch, length)).astype(pos.dtype.numpy())
-        for table, got in zip(tables, evaluate(model, [pos], [cos, sin], [sample, sample][:1])):
+        for table, got in zip(tables, evaluate(model, [pos], [cos, sin], [sample])):
             table[p0:p0 + length] = _rows(got, layout, batch, length, dim)[0]
     for sample in sample_positions(batch, length, capacity, pos.dtype.numpy()):
         for table, got in zip(tables, evaluate(model, [pos], [cos, sin], [sample])):

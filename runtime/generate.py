@@ -34,10 +34,6 @@ class Generator:
         """Start a new sequence; old rows need no clearing, as a query only sees rows <= its position."""
         self.position = 0
 
-    def cache(self) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of the current key and value cache (rows >= position are unspecified)."""
-        return self._past[0].numpy().copy(), self._past[1].numpy().copy()
-
     def prefill(self, x: np.ndarray) -> np.ndarray:
         """Run a prompt [B, L, E] in chunks of T from the current position; returns [B, L, E].
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from models import AttentionConfig
-from models.contract import example_inputs
+from models.contract import INPUTS, example_inputs
 
 from .generate import Generator
 from .session import StepSession
@@ -40,17 +40,13 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).float().eval()
 
 
-def _to_numpy(t: torch.Tensor, dtype) -> np.ndarray:
-    return t.detach().cpu().to(dtype).numpy() if t.is_floating_point() else t.detach().cpu().numpy()
-
-
 def step_parity(model, session: StepSession, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0) -> dict:
     """One step at positions p0..p0+T-1 over a random cache; output and the written cache rows.
 
     Rows after the last written one are unspecified by the contract, so they are not compared.
     """
     args = example_inputs(config, seq_len, p0, seed)
-    feeds = {name: _to_numpy(a, a.dtype) for name, a in zip(("hidden_states", "position_ids", "past_key", "past_value"), args)}
+    feeds = {name: a.numpy() for name, a in zip(INPUTS, args)}
     got = session.run(feeds)
     with torch.no_grad():
         ref = reference_model(model)(*[a.float() if a.is_floating_point() else a for a in args])

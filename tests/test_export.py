@@ -4,7 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx.helper as oh
 import pytest
