@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup export test fusion-table clean
+.PHONY: setup export test bench bench-quick fusion-table clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,12 @@ export: setup
 
 test: setup
 	$(PY) -m pytest $(ARGS)
+
+bench: setup
+	$(PY) -m benchmarks
+
+bench-quick: setup
+	$(PY) -m benchmarks --quick
 
 fusion-table: setup
 	$(PY) -m corpus

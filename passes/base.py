@@ -56,10 +56,11 @@ class GraphPass(ir.passes.InPlacePass):
 class FusionPass(GraphPass):
     """Tries `fuse` on every candidate node; counts `fused` and `unfused`, noting each failed check."""
     candidate_ops: tuple[str, ...] = ()
+    domain = ""
 
     def run(self, model: ir.Model) -> bool:
         self.stats.update(fused=0, unfused=0)
-        for node in [n for n in model.graph if n.op_type in self.candidate_ops and n.domain == ""]:
+        for node in [n for n in model.graph if n.op_type in self.candidate_ops and n.domain == self.domain]:
             if node.graph is None:  # removed by an earlier fusion in this run
                 continue
             try:

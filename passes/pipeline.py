@@ -9,8 +9,10 @@ from .cleanup import Cleanup
 from .fuse_attention import FuseAttention
 from .fuse_cache_write import FuseCacheWrite
 from .fuse_rmsnorm import FuseRMSNorm
+from .fold_rope_gqa import FoldRoPEIntoGQA
 from .fuse_rope import FuseRoPE
 from .lower_gqa import LowerToGQA
+from .pack_matmuls import PackMatMuls
 from .upgrade_opset import UpgradeOpset
 
 OPSET = 24
@@ -22,7 +24,8 @@ def passes_for(target: str) -> list:
         "onnx": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("onnx"), FuseRoPE("onnx"), FuseAttention(),
                          FuseCacheWrite(), Cleanup()],
         "ort": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("ort"), FuseRoPE("ort"), FuseAttention(),
-                        FuseCacheWrite(), Cleanup(), LowerToGQA(), Cleanup()],
+                        FuseCacheWrite(), Cleanup(), LowerToGQA(), Cleanup(), FoldRoPEIntoGQA(), PackMatMuls(),
+                        Cleanup()],
     }
     if target not in pipelines:
         raise ValueError(f"unknown target {target!r}: expected one of {', '.join(pipelines)}")

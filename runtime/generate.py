@@ -28,6 +28,11 @@ class Generator:
         self.in_place = prefill.cache_in_place and decode.cache_in_place
         self._past = new_pair()
         self._present = self._past if self.in_place else new_pair()
+        self._bindings = {}  # one IO binding per session, kept across steps
+        for session in (prefill, decode):
+            binding = self._bindings[id(session)] = session.session.io_binding()
+            binding.bind_output("output", "cpu")
+            self._bind_cache(binding)
         self.position = 0
 
     def reset(self) -> None:
@@ -67,19 +72,28 @@ class Generator:
         self.position += 1
         return out
 
+    def run_step(self, step: str, x: np.ndarray, p0: int) -> np.ndarray:
+        """One prefill or decode step at absolute position p0 over the runtime's cache, leaving
+        `position` alone: what a benchmark repeats to time a step at a given cache fill."""
+        return self._step(self.prefill_session if step == "prefill" else self.decode_session, x, p0)
+
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
         t = session.spec("position_ids")["shape"][1]
         position_ids = np.broadcast_to(np.arange(p0, p0 + t, dtype=np.int64), (self.batch, t)).copy()
         session.check_input("hidden_states", x)
         session.check_input("position_ids", position_ids)
-        binding = session.session.io_binding()
+        binding = self._bindings[id(session)]
         binding.bind_cpu_input("hidden_states", np.ascontiguousarray(x))
         binding.bind_cpu_input("position_ids", position_ids)
+        if not self.in_place:
+            self._bind_cache(binding)
+        session.session.run_with_iobinding(binding)
+        if not self.in_place:
+            self._past, self._present = self._present, self._past
+        return binding.get_outputs()[0].numpy().copy()  # the binding reuses its output buffer next step
+
+    def _bind_cache(self, binding) -> None:
         binding.bind_ortvalue_input("past_key", self._past[0])
         binding.bind_ortvalue_input("past_value", self._past[1])
-        binding.bind_output("output", "cpu")
         binding.bind_ortvalue_output("present_key", self._present[0])
         binding.bind_ortvalue_output("present_value", self._present[1])
-        session.session.run_with_iobinding(binding)
-        self._past, self._present = self._present, self._past
-        return binding.get_outputs()[0].numpy()

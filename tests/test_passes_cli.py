@@ -30,10 +30,12 @@ def test_ort_target_with_every_check(raw, tmp_path, capsys):
     assert lines[-2].startswith("verify: output max abs") and lines[-1] == f"wrote {out}"
     r = json.loads(report.read_text())
     assert [p["pass"] for p in r["passes"]] == ["cleanup", "upgrade_opset", "fuse_rmsnorm", "fuse_rope", "fuse_attention",
-                                                "fuse_cache_write", "cleanup", "lower_gqa", "cleanup"]
+                                                "fuse_cache_write", "cleanup", "lower_gqa", "cleanup", "fold_rope_gqa",
+                                                "pack_matmuls", "cleanup"]
     assert r["unfused"] == [] and r["fused_ops"] == 1 and all(v["ok"] for v in r["verify"].values())
-    assert {n.op_type for n in onnx.load(str(out)).graph.node} >= {
-        "GroupQueryAttention", "SimplifiedLayerNormalization", "RotaryEmbedding"}
+    ops = {n.op_type: n for n in onnx.load(str(out)).graph.node}
+    assert set(ops) >= {"GroupQueryAttention", "SimplifiedLayerNormalization", "Split"} and "RotaryEmbedding" not in ops
+    assert {a.name: a.i for a in ops["GroupQueryAttention"].attribute}["do_rotary"] == 1  # tiny: D = 16
     assert sha(raw) == before  # the input is never modified
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx", "report.json"]  # no temp files left
 

@@ -1,0 +1,141 @@
+"""python -m benchmarks [--quick]: every engine x workload in one run, with the machine's limits.
+
+Writes benchmarks/results.json, results.md and decode.png (or quick.json with --quick).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import onnxruntime
+import torch
+from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+from export import export_model
+from models import preset
+
+from .engines import ENGINES
+from .limits import gemm_rate, read_bandwidth
+from .report import write_markdown, write_plot
+from .workloads import workloads
+
+TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
+          "quick": {"min_reps": 8, "min_seconds": 0.2, "max_seconds": 1.0}}
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def code_fingerprint() -> str:
+    """The code that makes the graphs: a change to it invalidates graphs exported earlier."""
+    h = hashlib.sha256()
+    for path in sorted(p for d in ("models", "export", "passes") for p in (ROOT / d).glob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def prepare(config, kind: str, folder: Path) -> Path:
+    """Export the model's raw/onnx/ort graphs and the raw graph through optimize_for_ort, unless
+    this config was exported by this code already."""
+    stamp = folder / "fingerprint"
+    fingerprint = json.dumps({"config": config.to_dict(), "code": code_fingerprint()})
+    if stamp.exists() and stamp.read_text() == fingerprint:
+        return folder
+    export_model(config, folder, kind=kind, log=lambda *_: None)
+    for step in ("prefill", "decode"):
+        model = ir.load(folder / f"{step}.raw.onnx")
+        optimize_for_ort(model)
+        ir.save(model, folder / f"{step}.onnxscript.onnx")
+    stamp.write_text(fingerprint)
+    return folder
+
+
+def machine(threads: int) -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
+            "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__}
+
+
+def run_engine(engine: str, config, folders: dict, jobs: list, threads: int, timing: dict, log) -> list[dict]:
+    spec = {"engine": engine, "config": config.to_dict(), "folders": {k: str(v) for k, v in folders.items()},
+            "threads": threads, "workloads": [vars(w) for w in jobs], "timing": timing}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    rows = []
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", f.name], stdout=subprocess.PIPE, text=True,
+                                cwd=ROOT)
+        for line in proc.stdout:
+            row = json.loads(line)
+            rows.append(row)
+            log(row)
+        if proc.wait() != 0:
+            done = {r["workload"] for r in rows}
+            rows += [{"engine": engine, "workload": w.name, "unavailable": f"worker exited with {proc.returncode}"}
+                     for w in jobs if w.name not in done]
+    finally:
+        os.unlink(f.name)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="decode@1024 and prefill@0 only, fewer repetitions -> quick.json")
+    p.add_argument("--preset", default="minimind", help="model config [minimind]")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every engine [all cores]")
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES, help="engines to run [all]")
+    p.add_argument("--out", default="benchmarks", help="output folder [benchmarks]")
+    args = p.parse_args(argv)
+    config, out = preset(args.preset), Path(args.out)
+    jobs = workloads(config, args.quick)
+    total = len(jobs) * len(args.engines)
+    print(f"exporting {args.preset} graphs ...", flush=True)
+    folders = {kind: prepare(config, kind, out / ".work" / f"{args.preset}-{kind}") for kind in {w.kind for w in jobs}}
+    print("measuring the machine's limits ...", flush=True)
+    bandwidth = {w.name: read_bandwidth(w.working_set(config), args.threads) for w in jobs if w.step == "decode"}
+    limits = {"gemm_flops": gemm_rate(args.threads), "read_bandwidth_bytes_per_s": bandwidth}
+    results, done = [], 0
+
+    def log(row):
+        nonlocal done
+        done += 1
+        what = f"{row['median_ms']:.3f} ms" if "median_ms" in row else f"unavailable: {row['unavailable']}"
+        print(f"[{done:3d}/{total}] {row['engine']:15s} {row['workload']:22s} {what}", flush=True)
+
+    for engine in args.engines:
+        results += run_engine(engine, config, folders, jobs, args.threads, TIMING["quick" if args.quick else "full"], log)
+    by_name = {w.name: w for w in jobs}
+    for row in results:
+        w = by_name[row["workload"]]
+        if "median_ms" not in row:
+            continue
+        row["tokens_per_s"] = config.batch * w.seq_len(config) / (row["median_ms"] / 1e3)
+        floor_s = (w.working_set(config) / bandwidth[w.name]) if w.step == "decode" else w.flops(config) / limits["gemm_flops"]
+        row["floor_ms"] = floor_s * 1e3
+        row["roofline_fraction"] = row["floor_ms"] / row["median_ms"]
+    doc = {"machine": machine(args.threads), "config": config.to_dict(), "limits": limits,
+           "workloads": {w.name: {"bytes": w.working_set(config), "flops": w.flops(config)} for w in jobs},
+           "results": results}
+    out.mkdir(parents=True, exist_ok=True)
+    name = "quick.json" if args.quick else "results.json"
+    (out / name).write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out / name}")
+    if not args.quick:
+        write_markdown(doc, out / "results.md")
+        write_plot(doc, out / "decode.png")
+        print(f"wrote {out / 'results.md'}, {out / 'decode.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
