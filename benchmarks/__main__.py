@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         floor_s = (w.working_set(config) / bandwidth[w.name]) if w.step == "decode" else w.flops(config) / limits["gemm_flops"]
         row["floor_ms"] = floor_s * 1e3
         row["roofline_fraction"] = row["floor_ms"] / row["median_ms"]
-    doc = {"machine": machine(args.threads), "config": config.to_dict(), "limits": limits,
+    doc = {"machine": machine(args.threads), "preset": args.preset, "config": config.to_dict(), "limits": limits,
            "workloads": {w.name: {"bytes": w.working_set(config), "flops": w.flops(config)} for w in jobs},
            "results": results}
     out.mkdir(parents=True, exist_ok=True)

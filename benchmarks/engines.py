@@ -27,10 +27,10 @@ class Unavailable(RuntimeError):
 
 
 class Engine:
-    def __init__(self, name: str, config: AttentionConfig, folders: dict[str, Path], threads: int):
+    def __init__(self, name: str, config: AttentionConfig, folders: dict[str, Path], threads: int, profile: bool = False):
         if name not in ENGINES:
             raise ValueError(f"unknown engine {name!r}: expected one of {', '.join(ENGINES)}")
-        self.name, self.config, self.folders, self.threads = name, config, folders, threads
+        self.name, self.config, self.folders, self.threads, self.profile = name, config, folders, threads, profile
         self._models, self._generators = {}, {}
         torch.set_num_threads(threads)
 
@@ -63,7 +63,7 @@ class Engine:
     def _generator(self, kind: str, target: str) -> Generator:
         if (kind, target) not in self._generators:
             sessions = [StepSession(self.folders[kind] / f"{step}.{target}.onnx", provider="cpu", threads=self.threads,
-                                    cache_in_place=target in IN_PLACE) for step in ("prefill", "decode")]
+                                    cache_in_place=target in IN_PLACE, profile=self.profile) for step in ("prefill", "decode")]
             self._generators[kind, target] = Generator(*sessions)
         return self._generators[kind, target]
 

@@ -61,13 +61,15 @@ class StepSession:
     """
 
     def __init__(self, path: str | Path, inputs: list[dict] | None = None, outputs: list[dict] | None = None,
-                 provider: str = "auto", threads: int = 0, opt_level: str = "all", cache_in_place: bool = False):
+                 provider: str = "auto", threads: int = 0, opt_level: str = "all", cache_in_place: bool = False,
+                 profile: bool = False):
         if opt_level not in OPT_LEVELS:
             raise ValueError(f"unknown graph optimisation level {opt_level!r}: expected one of {', '.join(OPT_LEVELS)}")
         options = ort.SessionOptions()
         options.graph_optimization_level = OPT_LEVELS[opt_level]
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
+        options.enable_profiling = profile
         self.path = Path(path)
         self.cache_in_place = cache_in_place
         self.session = ort.InferenceSession(str(path), options, providers=resolve_providers(provider))

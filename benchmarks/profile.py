@@ -1,0 +1,65 @@
+"""python -m benchmarks.profile ENGINE WORKLOAD...: where an onnxruntime engine's time goes, per op type.
+
+Runs each workload the way the benchmark does (cache bound in place), with onnxruntime's
+profiler on, and prints the kernel time per op type and per run. Uses the graphs the last
+`make bench` exported (benchmarks/.work/).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+from models import preset
+
+from .engines import Engine
+from .workloads import workloads
+
+RUNS = 200
+
+
+def profile(engine: Engine, workload) -> str:
+    run = engine.runner(workload)
+    for _ in range(RUNS):
+        run()
+    gen = engine._generator(workload.kind, engine.name.removeprefix("ort-"))
+    session = (gen.prefill_session if workload.step == "prefill" else gen.decode_session).session
+    trace = session.end_profiling()
+    events = json.loads(Path(trace).read_text())
+    os.remove(trace)
+    per_op = collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            per_op[e["args"]["op_name"]] += e["dur"]
+    runs = sum(1 for e in events if e.get("name") == "model_run")
+    total = sum(per_op.values())
+    lines = [f"{engine.name} {workload.name}: {total / runs:.0f} us of kernel time per run (profiler on)", "",
+             "| op | us per run | share |", "|---|---|---|"]
+    lines += [f"| {op} | {t / runs:.0f} | {100 * t / total:.0f}% |" for op, t in per_op.most_common(8)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("engine", choices=["ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort"])
+    p.add_argument("workloads", nargs="+", help="e.g. decode@1024 prefill@0 block/decode@1024")
+    p.add_argument("--preset", default="minimind")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    args = p.parse_args(argv)
+    config = preset(args.preset)
+    known = {w.name: w for w in workloads(config, quick=False)}
+    folders = {k: Path("benchmarks/.work") / f"{args.preset}-{k}" for k in ("attention", "block")}
+    engine = Engine(args.engine, config, folders, args.threads, profile=True)
+    for name in args.workloads:
+        if name not in known:
+            print(f"error: unknown workload {name!r}: expected one of {', '.join(known)}", file=sys.stderr)
+            return 1
+        print(profile(engine, known[name]) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
