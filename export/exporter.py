@@ -60,7 +60,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
         publish(tmp, out_dir, files + ["manifest.json"])
     for g in graphs:
         fusions = "; ".join(f"{p['pass']}: " + ", ".join(f"{v} {k}" for k, v in p["stats"].items())
-                            for p in g["passes"] if p["pass"].startswith(("fuse_", "lower_")))
+                            for p in g["passes"] if p["pass"] not in ("cleanup", "upgrade_opset"))
         log(f"wrote {out_dir / g['file']} ({g['bytes'] / 1e6:.1f} MB): parity vs eager max abs {g['parity']['max_abs']:.1e}"
             + (f" | {fusions}" if fusions else ""))
     shapes = ", ".join(f"{s['name']}{s['shape']}" for s in graphs[0]["inputs"])
