@@ -21,7 +21,7 @@ from runtime.session import StepSession
 
 from .atomic import publish, staging, write_json
 from .manifest import build_manifest
-from .static_shapes import check_static
+from passes.static_shapes import check_static
 from .torch_export import DEFAULT_OPSET, to_onnx
 
 # Graphs whose cache write (TensorScatter, GroupQueryAttention) onnxruntime runs in place when

@@ -35,14 +35,16 @@ def _fed_by_matmul(value: ir.Value, depth: int = 8) -> bool:
     return False
 
 
-def unfused_attention(model: ir.Model, reports: list[dict]) -> list[dict]:
-    """Each Softmax still between two MatMuls, with the check that stopped fuse_attention on it."""
+def unfused_attention(model: ir.Model, reports: list[dict],
+                      unreported: str = "fuse_attention did not run on this target") -> list[dict]:
+    """Each Softmax still between two MatMuls, with the check that stopped fuse_attention on it
+    (or `unreported` when the reports say nothing of it)."""
     reasons = {n["node"]: n["reason"] for r in reports if r["pass"] == "fuse_attention" for n in r["not_matched"]}
     left = []
     for node in model.graph:
         if node.op_type == "Softmax" and _fed_by_matmul(node.inputs[0]) and _feeds_matmul(node.outputs[0]):
             left.append({"node": node.name, "op": node.op_type,
-                         "reason": reasons.get(node.name, "fuse_attention did not run on this target")})
+                         "reason": reasons.get(node.name, unreported)})
     for node in model.graph:
         if (node.domain, node.op_type) in FUSED_OPS:
             for i in (1, 2):

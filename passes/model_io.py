@@ -9,6 +9,8 @@ import onnx
 import onnx_ir as ir
 
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; stay well clear of it
+# onnxruntime contrib ops that live in the default domain (onnxruntime's choice), unknown to onnx.checker.
+ORT_DEFAULT_DOMAIN_OPS = {"SimplifiedLayerNormalization"}
 
 
 class ModelFileError(ValueError):
@@ -23,11 +25,23 @@ def load(path: str | Path) -> ir.Model:
         raise ModelFileError(f"input {path}: empty file; expected an ONNX model")
     try:
         proto = onnx.load(str(path))
-        onnx.checker.check_model(proto)
+        check(proto)
         return ir.serde.deserialize_model(proto)
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ModelFileError(f"input {path}: not a valid ONNX model ({first[:160]})") from None
+
+
+def check(proto: onnx.ModelProto) -> None:
+    """onnx.checker, with onnxruntime's default-domain contrib ops checked like any custom-domain op."""
+    if any(n.op_type in ORT_DEFAULT_DOMAIN_OPS and n.domain in ("", "ai.onnx") for n in proto.graph.node):
+        proto = onnx.ModelProto.FromString(proto.SerializeToString())
+        for n in proto.graph.node:
+            if n.op_type in ORT_DEFAULT_DOMAIN_OPS and n.domain in ("", "ai.onnx"):
+                n.domain = "com.microsoft"
+        if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+            proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    onnx.checker.check_model(proto)
 
 
 def save(model: ir.Model, path: Path) -> str | None:

@@ -11,7 +11,7 @@ import pytest
 import export.exporter
 import passes.model_io
 from export import ParityError, export_model
-from export.static_shapes import StaticShapeError, check_static
+from passes.static_shapes import StaticShapeError, check_static
 from models import preset
 from models.contract import INPUTS, OUTPUTS
 

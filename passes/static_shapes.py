@@ -18,8 +18,8 @@ def _dims(value: onnx.ValueInfoProto) -> list | None:
     return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in t.shape.dim]
 
 
-def check_static(path: str | Path, strict: bool = True) -> int:
-    """Run shape inference with data propagation on the file; return the tensor count checked.
+def unknown_dims(path: str | Path, strict: bool = True) -> tuple[list[str], int]:
+    """Shape inference with data propagation on the file: (tensors without fixed positive dims, tensors checked).
 
     `strict=False` is for graphs with onnxruntime contrib ops, which ONNX's inference does not
     know: their outputs keep the shapes the passes recorded, and those are checked.
@@ -36,6 +36,12 @@ def check_static(path: str | Path, strict: bool = True) -> int:
         dims = known.get(name)
         if dims is None or not all(isinstance(d, int) and d > 0 for d in dims):
             bad.append(f"{name}: {dims if dims is not None else 'unknown shape'}")
+    return bad, len(names)
+
+
+def check_static(path: str | Path, strict: bool = True) -> int:
+    """Raise StaticShapeError unless every tensor is static; return the tensor count checked."""
+    bad, count = unknown_dims(path, strict)
     if bad:
         raise StaticShapeError(f"{path}: {len(bad)} tensor(s) without fixed positive dims, e.g. {bad[:3]}; expected all static")
-    return len(names)
+    return count

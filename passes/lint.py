@@ -1,0 +1,138 @@
+"""python -m passes.lint FILE.onnx --profile {npu,onnx,ort} [--json]: what a toolchain will reject.
+
+Each profile is a list of rules; every violation is printed with the rule, node and op,
+and the exit status is 1 if there is any. `npu` is what NPU compilers (QNN, OpenVINO NPU,
+Vitis AI) accept: opset 17, static shapes, no control flow, no shape-computing, scatter
+or repeat ops, no computed Reshape, int32 integer inputs, no infinities. `onnx` and `ort`
+check what their targets promise: static shapes and every attention fused, without a
+K/V repeat; `onnx` also standard domains only at opset 24.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from .analysis import const
+from .leftovers import unfused_attention
+from .model_io import load
+from .static_shapes import unknown_dims
+
+CONTROL_FLOW = {"If", "Loop", "Scan"}
+SHAPE_OPS = {"Shape", "Size", "Range", "ConstantOfShape", "NonZero"}
+SCATTER_OPS = {"ScatterND", "ScatterElements", "Scatter", "TensorScatter"}
+REPEAT_OPS = {"Expand", "Tile"}
+
+
+@dataclass
+class Violation:
+    rule: str
+    node: str
+    op: str
+    message: str
+
+
+def _nodes(model: ir.Model):
+    return list(model.graph.all_nodes())
+
+
+def opset(version: int):
+    def rule(model, path):
+        got = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+        return [] if got == version else [Violation("opset", "", "", f"default-domain opset {got}; expected {version}")]
+    rule.__name__ = f"opset_{version}"
+    return rule
+
+
+def static_shapes(model, path):
+    strict = all(n.domain in ("", "ai.onnx") for n in _nodes(model)) and \
+        not any(n.op_type == "SimplifiedLayerNormalization" for n in _nodes(model))
+    bad, _ = unknown_dims(path, strict=strict)
+    return [Violation("static-shape", name.split(":")[0], "", f"{name}; expected fixed positive dims") for name in bad]
+
+
+def forbidden(rule_name: str, ops: set[str]):
+    def rule(model, path):
+        return [Violation(rule_name, n.name, n.op_type, f"{n.op_type} is not accepted by this profile")
+                for n in _nodes(model) if n.op_type in ops]
+    rule.__name__ = rule_name
+    return rule
+
+
+def computed_reshape(model, path):
+    return [Violation("computed-reshape", n.name, n.op_type, f"Reshape to a shape computed at run time ({n.inputs[1].name})")
+            for n in _nodes(model) if n.op_type == "Reshape" and const(n.inputs[1]) is None]
+
+
+def int32_inputs(model, path):
+    ints = {ir.DataType.INT64, ir.DataType.INT16, ir.DataType.INT8, ir.DataType.UINT64, ir.DataType.UINT32}
+    return [Violation("int32-inputs", v.name, "input", f"input {v.name} is {v.dtype}; expected int32 for integers")
+            for v in model.graph.inputs if v.dtype in ints]
+
+
+def finite_constants(model, path):
+    found = []
+    values = list(model.graph.initializers.values()) + [o for n in _nodes(model) if n.op_type == "Constant" for o in n.outputs]
+    for v in values:
+        array = const(v)
+        if array is not None and array.dtype.kind == "f" and not np.isfinite(array).all():
+            found.append(Violation("finite-constants", v.name, "constant", f"{v.name} holds inf or NaN; expected finite values"))
+    return found
+
+
+def standard_domains(model, path):
+    return [Violation("standard-domain", n.name, n.op_type, f"{n.domain}.{n.op_type} is not a standard ONNX op")
+            for n in _nodes(model) if n.domain not in ("", "ai.onnx")]
+
+
+def attention_fused(model, path):
+    left = unfused_attention(model, [], unreported="a Softmax between two MatMuls, not fused into an attention op")
+    return [Violation("attention-fused", x["node"], x["op"], x["reason"]) for x in left]
+
+
+PROFILES = {
+    "npu": [opset(17), static_shapes, forbidden("control-flow", CONTROL_FLOW), forbidden("shape-op", SHAPE_OPS),
+            forbidden("scatter", SCATTER_OPS), forbidden("repeat", REPEAT_OPS), computed_reshape, int32_inputs,
+            finite_constants, standard_domains],
+    "onnx": [opset(24), static_shapes, standard_domains, attention_fused],
+    "ort": [static_shapes, attention_fused],
+}
+
+
+def lint(path: str | Path, profile: str) -> list[Violation]:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}: expected one of {', '.join(PROFILES)}")
+    model = load(path)
+    return [v for rule in PROFILES[profile] for v in rule(model, path)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m passes.lint", description=__doc__.split("\n\n")[0])
+    p.add_argument("file", help="ONNX file to check")
+    p.add_argument("--profile", required=True, choices=sorted(PROFILES), help="which toolchain's rules")
+    p.add_argument("--json", metavar="FILE", help="also write the violations as JSON")
+    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    args = p.parse_args(argv)
+    try:
+        found = lint(args.file, args.profile)
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for v in found:
+        print(f"{v.rule}: {v.node or '-'} ({v.op or '-'}): {v.message}")
+    print(f"{args.file}: {len(found)} violation(s) of profile {args.profile}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"file": str(args.file), "profile": args.profile,
+                                               "violations": [asdict(v) for v in found]}, indent=2) + "\n")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
