@@ -17,8 +17,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import attr, const, evaluate, position_source, sample_positions, static_shape
+from .analysis import attr, const, static_shape
 from .base import FusionPass, NotFused
+from .causal import cache_writes, check_cache_writes, same_mask
 from .build import Builder, replace_value
 
 
@@ -32,16 +33,19 @@ class LowerToGQA(FusionPass):
         _check_expressible(node, q, k, v)
         (batch, heads, length, dim), kv_heads = static_shape(q), static_shape(k)[1]
         b = Builder(model, node, f"{self.name}/{node.name}")
-        writes = [x.producer() for x in (k, v)]
-        if all(w is not None and w.op_type == "TensorScatter" for w in writes):
-            pos = _check_cache_writes(model, writes, mask, batch, length, static_shape(k)[2])
+        writes = cache_writes(node)
+        if writes:
+            if batch > 1 and length > 1:
+                raise NotFused(f"batch {batch} with T={length}: onnxruntime's GroupQueryAttention runs a chunk over a "
+                               "non-empty cache only at batch 1")
+            pos = check_cache_writes(model, writes, mask, batch, length, static_shape(k)[2])
             new_k, new_v, past_k, past_v = writes[0].inputs[1], writes[1].inputs[1], writes[0].inputs[0], writes[1].inputs[0]
             last = b.op("Gather", [pos, b.const(np.array(length - 1, np.int64), "last")], [batch], pos.dtype, axis=1)
             seqlens = b.op("Cast", [last], [batch], ir.DataType.INT32, to=int(ir.DataType.INT32))
             total = b.op("Add", [b.op("ReduceMax", [seqlens], [], ir.DataType.INT32, keepdims=0),
                                  b.const(np.array(1, np.int32), "one")], [], ir.DataType.INT32)
         else:
-            _check_cache_free(node, mask, length, static_shape(k)[2], writes)
+            _check_cache_free(node, mask, length, static_shape(k)[2], [x.producer() for x in (k, v)])
             new_k, new_v, past_k, past_v = k, v, None, None
             seqlens = b.const(np.full([batch], length - 1, np.int32), "seqlens_k")
             total = b.const(np.array(length, np.int32), "total_sequence_length")
@@ -87,28 +91,6 @@ def _check_expressible(node: ir.Node, q: ir.Value, k: ir.Value, v: ir.Value) -> 
         raise NotFused(f"dtype {q.dtype}; GroupQueryAttention runs float32 and float16")
 
 
-def _check_cache_writes(model, writes, mask, batch: int, length: int, capacity: int) -> ir.Value:
-    """The caches are written at the positions the causal mask is built from; returns the positions input."""
-    if writes[0].inputs[2] is not writes[1].inputs[2] or any(attr(w, "mode", "linear") != "linear" for w in writes):
-        raise NotFused("K and V caches are written at different indices or in circular mode")
-    if any(attr(w, "axis", -2) % 4 != 2 for w in writes):
-        raise NotFused("cache is not written along axis 2 of [B, Hkv, C, D]")
-    if batch > 1 and length > 1:
-        raise NotFused(f"batch {batch} with T={length}: onnxruntime's GroupQueryAttention runs a chunk over a "
-                       "non-empty cache only at batch 1")
-    if mask is None:
-        raise NotFused("no mask: GroupQueryAttention always masks causally, the graph does not")
-    pos = position_source(writes[0].inputs[2], "cache write indices", NotFused)
-    if position_source(mask, "attention mask", NotFused) is not pos:
-        raise NotFused("the mask is computed from another input than the cache write positions")
-    for sample in sample_positions(batch, length, capacity, pos.dtype.numpy()):
-        (m,) = evaluate(model, [pos], [mask], [sample])
-        want = np.arange(capacity)[None, None, None, :] <= sample[:, None, :, None]
-        if not _same_mask(m, want):
-            raise NotFused("the mask is not causal by absolute position (row <= position)")
-    return pos
-
-
 def _check_cache_free(node: ir.Node, mask, length: int, kv_length: int, writes) -> None:
     if any(w is not None and w.op_type == "TensorScatter" for w in writes):
         raise NotFused("only one of K and V is a TensorScatter cache write")
@@ -122,17 +104,5 @@ def _check_cache_free(node: ir.Node, mask, length: int, kv_length: int, writes) 
     m = const(mask)
     if m is None:
         raise NotFused(f"mask {mask.name} is computed at run time; GroupQueryAttention takes only a causal mask")
-    if not _same_mask(m, causal):
+    if not same_mask(m, causal):
         raise NotFused("the constant mask is not the causal lower triangle")
-
-
-def _same_mask(mask: np.ndarray, want: np.ndarray) -> bool:
-    """A boolean (True = attend) or additive (0 = attend, very negative elsewhere) mask equal to `want`."""
-    if mask.dtype != np.bool_:
-        if not np.all((mask == 0) | (mask <= -1e4)):
-            return False
-        mask = mask == 0
-    if mask.ndim > 4:
-        return False
-    shape = np.broadcast_shapes(mask.shape, want.shape)
-    return np.array_equal(np.broadcast_to(mask, shape), np.broadcast_to(want, shape))
