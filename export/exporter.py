@@ -12,10 +12,12 @@ import onnx
 import onnx_ir as ir
 
 from models import AttentionConfig, build_model, checksum
-from models.contract import STEPS, io_specs, step_len
+from models.contract import STEPS, io_specs, npu_io_specs, step_len
+from passes.lint import lint
+from passes.lower_npu import MASK_VALUE
 from passes.model_io import save
 from passes.pipeline import TARGETS, run_pipeline
-from runtime.generate import Generator
+from runtime.generate import Generator, HostCacheGenerator
 from runtime.parity import TOLERANCE, sequence_parity, step_parity, within, worst
 from runtime.session import StepSession
 
@@ -31,6 +33,10 @@ IN_PLACE_TARGETS = ("onnx", "ort")
 
 class ParityError(AssertionError):
     """An exported graph computes something other than the eager model."""
+
+
+class LintError(ValueError):
+    """An npu graph that NPU toolchains would reject."""
 
 
 def parity_cases(config: AttentionConfig, step: str) -> list[int]:
@@ -78,15 +84,20 @@ def _build_graph(model, config: AttentionConfig, exported: ir.Model, step: str, 
     if target != "ort":  # onnxruntime's contrib ops are not in ONNX's schema registry; ORT loads them below
         onnx.checker.check_model(str(path), full_check=True)
     check_static(path, strict=target != "ort")
+    if target == "npu" and (violations := lint(path, "npu")):
+        raise LintError(f"{path.name}: {len(violations)} npu lint violation(s), e.g. {violations[0]}")
     t = step_len(config, step)
-    session = StepSession(path, provider="cpu")
-    cases = [step_parity(model, session, config, t, p0, seed) for p0 in parity_cases(config, step)]
+    io = npu_io_specs(config, t) if target == "npu" else io_specs(config, t)
+    session = StepSession(path, io["inputs"], io["outputs"], provider="cpu")
+    runner = HostCacheGenerator(session, session, MASK_VALUE) if target == "npu" else session
+    cases = [step_parity(model, runner, config, t, p0, seed) for p0 in parity_cases(config, step)]
     err = worst(cases)
     if not within(err, config.dtype):
         raise ParityError(f"{path.name}: max error {err} against eager PyTorch; expected within {TOLERANCE[config.dtype]}")
     return {"step": step, "target": target, "file": path.name, "external_data": data,
             "bytes": path.stat().st_size + ((tmp / data).stat().st_size if data else 0),
-            "cache_in_place": target in IN_PLACE_TARGETS, **io_specs(config, t),
+            "cache_in_place": target in IN_PLACE_TARGETS, **io,
+            **({"host_cache": {"mask_value": MASK_VALUE}} if target == "npu" else {}),
             "parity": {"reference": "eager PyTorch, fp32", "tolerance": TOLERANCE[config.dtype], **err,
                        "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel")} for c in cases]},
             "passes": report["passes"]}
@@ -96,7 +107,9 @@ def _sequence_parity(model, config: AttentionConfig, graphs: list[dict], target:
     sessions = {g["step"]: StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu",
                                        cache_in_place=g["cache_in_place"])
                 for g in graphs if g["target"] == target}
-    seq = sequence_parity(model, Generator(sessions["prefill"], sessions["decode"]), config,
+    driver = HostCacheGenerator(sessions["prefill"], sessions["decode"], MASK_VALUE) if target == "npu" \
+        else Generator(sessions["prefill"], sessions["decode"])
+    seq = sequence_parity(model, driver, config,
                           prompt_len=min(config.capacity - 16, config.chunk + config.chunk // 2 + 1), decode_steps=16,
                           seed=seed)
     if not within(seq, config.dtype):

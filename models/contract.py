@@ -33,6 +33,18 @@ def io_specs(config: AttentionConfig, seq_len: int) -> dict:
     }
 
 
+def npu_io_specs(config: AttentionConfig, seq_len: int) -> dict:
+    """The `npu` step: int32 positions, the host's additive mask over [past C rows, new T rows], new rows out."""
+    spec = io_specs(config, seq_len)
+    float_t = spec["inputs"][0]["dtype"]
+    b, kv, c, d = config.batch, config.num_kv_heads, config.capacity, config.head_dim
+    inputs = spec["inputs"]
+    inputs[1]["dtype"] = "int32"
+    inputs.insert(2, {"name": "attention_mask", "shape": [b, 1, seq_len, c + seq_len], "dtype": float_t})
+    spec["outputs"][1:] = [{"name": n, "shape": [b, kv, seq_len, d], "dtype": float_t} for n in ("key", "value")]
+    return spec
+
+
 def example_inputs(config: AttentionConfig, seq_len: int, p0: int = 0, seed: int = 0) -> tuple:
     """Contract inputs in argument order: random hidden states and cache, positions p0..p0+T-1."""
     gen = torch.Generator().manual_seed(seed)

@@ -12,6 +12,7 @@ from .fuse_rmsnorm import FuseRMSNorm
 from .fold_rope_gqa import FoldRoPEIntoGQA
 from .fuse_rope import FuseRoPE
 from .lower_gqa import LowerToGQA
+from .lower_npu import LowerNPU
 from .pack_matmuls import PackMatMuls
 from .upgrade_opset import UpgradeOpset
 
@@ -27,12 +28,13 @@ def passes_for(target: str) -> list:
                         FuseCacheWrite(), Cleanup(), LowerToGQA(), Cleanup(), FoldRoPEIntoGQA(), PackMatMuls(),
                         Cleanup()],
     }
+    pipelines["npu"] = lambda: pipelines["onnx"]() + [LowerNPU(), Cleanup()]
     if target not in pipelines:
         raise ValueError(f"unknown target {target!r}: expected one of {', '.join(pipelines)}")
     return pipelines[target]()
 
 
-TARGETS = ("raw", "onnx", "ort")
+TARGETS = ("raw", "onnx", "ort", "npu")
 
 
 def run_pipeline(model: ir.Model, target: str, dump_dir: str | Path | None = None, log=None) -> dict:

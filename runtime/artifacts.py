@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .generate import Generator
+from .generate import Driver, Generator, HostCacheGenerator
 from .session import StepSession
 
 
@@ -37,7 +37,8 @@ def open_step(folder: str | Path, step: str, target: str = "raw", **session_opti
                        cache_in_place=g.get("cache_in_place", False), **session_options)
 
 
-def open_generator(folder: str | Path, target: str = "raw", **session_options) -> Generator:
-    """Prefill and decode sessions of one target behind a generation driver."""
-    return Generator(open_step(folder, "prefill", target, **session_options),
-                     open_step(folder, "decode", target, **session_options))
+def open_generator(folder: str | Path, target: str = "raw", **session_options) -> Driver:
+    """Prefill and decode sessions of one target behind a generation driver (host-cache for `npu`)."""
+    sessions = [open_step(folder, step, target, **session_options) for step in ("prefill", "decode")]
+    host = graph_entry(load_manifest(folder), "decode", target).get("host_cache")
+    return HostCacheGenerator(*sessions, host["mask_value"]) if host else Generator(*sessions)

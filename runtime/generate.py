@@ -1,10 +1,13 @@
-"""A generation-style driver: chunked prefill, then decode steps, over a runtime-owned cache.
+"""Generation-style drivers: chunked prefill, then decode steps, over a cache the runtime owns.
 
-The cache lives in onnxruntime buffers on the session's device (host memory on CPU, GPU
-memory on CUDA), bound with IO binding, so no cache byte crosses to the host and nothing
-is allocated per step. Graphs that update the cache in place (TensorScatter,
+`Generator` keeps the cache in onnxruntime buffers on the session's device (host memory on
+CPU, GPU memory on CUDA), bound with IO binding, so no cache byte crosses to the host and
+nothing is allocated per step. Graphs that update the cache in place (TensorScatter,
 GroupQueryAttention) get one buffer pair bound as both past_* and present_*; others read
 past_* from one pair and write present_* into a second, and the pairs swap each step.
+
+`HostCacheGenerator` drives `npu` graphs, which return only the new rows: the host keeps
+the cache, builds the mask, and writes the rows back.
 """
 from __future__ import annotations
 
@@ -14,25 +17,15 @@ import onnxruntime as ort
 from .session import FeedError, StepSession
 
 
-class Generator:
+class Driver:
+    """Prompt chunking and decode positions over two step sessions; subclasses own the cache."""
+
     def __init__(self, prefill: StepSession, decode: StepSession):
         self.prefill_session, self.decode_session = prefill, decode
         self.batch, self.chunk, self.hidden = prefill.spec("hidden_states")["shape"]
-        cache_shape, cache_dtype = prefill.spec("past_key")["shape"], np.dtype(prefill.spec("past_key")["dtype"])
-        self.capacity = cache_shape[2]
-        device = "cuda" if prefill.on_cuda else "cpu"
-        # Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite.
-        # One array per buffer: on CPU an OrtValue wraps its numpy array's memory.
-        new_pair = lambda: [ort.OrtValue.ortvalue_from_numpy(np.zeros(cache_shape, cache_dtype), device, 0)  # noqa: E731
-                            for _ in range(2)]
-        self.in_place = prefill.cache_in_place and decode.cache_in_place
-        self._past = new_pair()
-        self._present = self._past if self.in_place else new_pair()
-        self._bindings = {}  # one IO binding per session, kept across steps
-        for session in (prefill, decode):
-            binding = self._bindings[id(session)] = session.session.io_binding()
-            binding.bind_output("output", "cpu")
-            self._bind_cache(binding)
+        self.cache_shape = prefill.spec("past_key")["shape"]
+        self.cache_dtype = np.dtype(prefill.spec("past_key")["dtype"])
+        self.capacity = self.cache_shape[2]
         self.position = 0
 
     def reset(self) -> None:
@@ -78,10 +71,37 @@ class Generator:
         return self._step(self.prefill_session if step == "prefill" else self.decode_session, x, p0)
 
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _positions(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
+        """position_ids for a step at p0, after checking the step's hidden states against the graph."""
         t = session.spec("position_ids")["shape"][1]
-        position_ids = np.broadcast_to(np.arange(p0, p0 + t, dtype=np.int64), (self.batch, t)).copy()
+        dtype = np.dtype(session.spec("position_ids")["dtype"])
+        position_ids = np.broadcast_to(np.arange(p0, p0 + t, dtype=dtype), (self.batch, t)).copy()
         session.check_input("hidden_states", x)
         session.check_input("position_ids", position_ids)
+        return position_ids
+
+
+class Generator(Driver):
+    def __init__(self, prefill: StepSession, decode: StepSession):
+        super().__init__(prefill, decode)
+        device = "cuda" if prefill.on_cuda else "cpu"
+        # Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite.
+        # One array per buffer: on CPU an OrtValue wraps its numpy array's memory.
+        new_pair = lambda: [ort.OrtValue.ortvalue_from_numpy(np.zeros(self.cache_shape, self.cache_dtype), device, 0)  # noqa: E731
+                            for _ in range(2)]
+        self.in_place = prefill.cache_in_place and decode.cache_in_place
+        self._past = new_pair()
+        self._present = self._past if self.in_place else new_pair()
+        self._bindings = {}  # one IO binding per session, kept across steps
+        for session in (prefill, decode):
+            binding = self._bindings[id(session)] = session.session.io_binding()
+            binding.bind_output("output", "cpu")
+            self._bind_cache(binding)
+
+    def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
+        position_ids = self._positions(session, x, p0)
         binding = self._bindings[id(session)]
         binding.bind_cpu_input("hidden_states", np.ascontiguousarray(x))
         binding.bind_cpu_input("position_ids", position_ids)
@@ -97,3 +117,30 @@ class Generator:
         binding.bind_ortvalue_input("past_value", self._past[1])
         binding.bind_ortvalue_output("present_key", self._present[0])
         binding.bind_ortvalue_output("present_value", self._present[1])
+
+
+class HostCacheGenerator(Driver):
+    """The graph sees past_key/past_value [B, Hkv, C, D] and attention_mask [B, 1, T, C+T]:
+    cache row j is visible to every query iff j < p0 (rows the host wrote before this step),
+    and new row t' to query t iff t' <= t. Masked entries hold `mask_value`."""
+
+    def __init__(self, prefill: StepSession, decode: StepSession, mask_value: float):
+        super().__init__(prefill, decode)
+        self.mask_value = mask_value
+        self.keys = np.zeros(self.cache_shape, self.cache_dtype)
+        self.values = np.zeros(self.cache_shape, self.cache_dtype)
+
+    def mask(self, p0: int, t: int) -> np.ndarray:
+        visible = np.concatenate([np.broadcast_to(np.arange(self.capacity) < p0, (t, self.capacity)),
+                                  np.tril(np.ones((t, t), bool))], axis=1)
+        mask = np.where(visible, 0.0, self.mask_value).astype(self.cache_dtype)
+        return np.broadcast_to(mask, (self.batch, 1, t, self.capacity + t)).copy()
+
+    def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
+        position_ids = self._positions(session, x, p0)
+        t = position_ids.shape[1]
+        out = session.run({"hidden_states": x, "position_ids": position_ids, "attention_mask": self.mask(p0, t),
+                           "past_key": self.keys, "past_value": self.values})
+        self.keys[:, :, p0:p0 + t] = out["key"]
+        self.values[:, :, p0:p0 + t] = out["value"]
+        return out["output"]

@@ -13,7 +13,7 @@ import torch
 from models import AttentionConfig
 from models.contract import INPUTS, example_inputs
 
-from .generate import Generator
+from .generate import Driver, HostCacheGenerator
 from .session import StepSession
 
 TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
@@ -40,14 +40,21 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).float().eval()
 
 
-def step_parity(model, session: StepSession, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0) -> dict:
+def step_parity(model, runner: StepSession | HostCacheGenerator, config: AttentionConfig, seq_len: int, p0: int,
+                seed: int = 0) -> dict:
     """One step at positions p0..p0+T-1 over a random cache; output and the written cache rows.
 
-    Rows after the last written one are unspecified by the contract, so they are not compared.
+    `runner` is a step-contract session, or the host-cache driver of an `npu` graph (its
+    cache set to the same random rows). Rows after the last written one are unspecified by
+    the contract, so they are not compared.
     """
     args = example_inputs(config, seq_len, p0, seed)
-    feeds = {name: a.numpy() for name, a in zip(INPUTS, args)}
-    got = session.run(feeds)
+    if isinstance(runner, HostCacheGenerator):
+        runner.keys[...], runner.values[...] = args[2].numpy(), args[3].numpy()
+        out = runner.run_step("prefill" if seq_len == config.chunk else "decode", args[0].numpy(), p0)
+        got = {"output": out, "present_key": runner.keys, "present_value": runner.values}
+    else:
+        got = runner.run({name: a.numpy() for name, a in zip(INPUTS, args)})
     with torch.no_grad():
         ref = reference_model(model)(*[a.float() if a.is_floating_point() else a for a in args])
     live = p0 + seq_len
@@ -57,7 +64,7 @@ def step_parity(model, session: StepSession, config: AttentionConfig, seq_len: i
     return {"p0": p0, **worst(list(errs.values())), "per_output": errs}
 
 
-def sequence_parity(model, generator: Generator, config: AttentionConfig, prompt_len: int, decode_steps: int,
+def sequence_parity(model, generator: Driver, config: AttentionConfig, prompt_len: int, decode_steps: int,
                     seed: int = 0) -> dict:
     """Chunked prefill of a prompt, then decode steps, against the eager full-sequence forward (no cache)."""
     gen = torch.Generator().manual_seed(seed)

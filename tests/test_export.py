@@ -15,13 +15,17 @@ from passes.static_shapes import StaticShapeError, check_static
 from models import preset
 from models.contract import INPUTS, OUTPUTS
 
+NPU_INPUTS = ("hidden_states", "position_ids", "attention_mask", "past_key", "past_value")
+NPU_OUTPUTS = ("output", "key", "value")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_artifacts_and_manifest(exported):
     art = exported("block")
     names = sorted(p.name for p in art.folder.iterdir())
-    assert names == sorted(["manifest.json"] + [f"{s}.{t}.onnx" for s in ("prefill", "decode") for t in ("raw", "onnx", "ort")])
+    assert names == sorted(["manifest.json"] + [f"{s}.{t}.onnx" for s in ("prefill", "decode")
+                                                for t in ("raw", "onnx", "ort", "npu")])
     m = json.loads((art.folder / "manifest.json").read_text())
     assert m == art.manifest
     assert m["kind"] == "block" and m["config"] == art.config.to_dict() and m["opset"] == 20
@@ -30,8 +34,11 @@ def test_artifacts_and_manifest(exported):
     for g in m["graphs"]:
         t = 16 if g["step"] == "prefill" else 1
         model = onnx.load(str(art.folder / g["file"]))
-        assert [i.name for i in model.graph.input] == list(INPUTS) == [s["name"] for s in g["inputs"]]
-        assert [o.name for o in model.graph.output] == list(OUTPUTS) == [s["name"] for s in g["outputs"]]
+        inputs, outputs = (NPU_INPUTS, NPU_OUTPUTS) if g["target"] == "npu" else (INPUTS, OUTPUTS)
+        assert [i.name for i in model.graph.input] == list(inputs) == [s["name"] for s in g["inputs"]]
+        assert [o.name for o in model.graph.output] == list(outputs) == [s["name"] for s in g["outputs"]]
+        assert [list(d.dim_value for d in i.type.tensor_type.shape.dim) for i in model.graph.input] == \
+            [s["shape"] for s in g["inputs"]]
         assert g["inputs"][0]["shape"] == [1, t, 64] and g["file"] == f"{g['step']}.{g['target']}.onnx"
         assert 0 <= g["parity"]["max_abs"] < 1e-4 and len(g["parity"]["cases"]) == 3
         assert [p["pass"] for p in g["passes"]][0] == "cleanup"
@@ -40,7 +47,7 @@ def test_artifacts_and_manifest(exported):
 
 
 @pytest.mark.parametrize("kind", ["attention", "block"])
-@pytest.mark.parametrize("target", ["raw", "onnx", "ort"])
+@pytest.mark.parametrize("target", ["raw", "onnx", "ort", "npu"])
 def test_every_tensor_is_static(exported, kind, target):
     art = exported(kind, batch=2, dtype="fp16")
     for step in ("prefill", "decode"):
@@ -63,7 +70,7 @@ def test_default_preset_exports(tmp_path):
     res = subprocess.run([sys.executable, "-m", "export", "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 7 and "prefill.raw.onnx" in lines[0] and "parity vs eager max abs" in lines[0]
+    assert len(lines) == 9 and "prefill.raw.onnx" in lines[0] and "parity vs eager max abs" in lines[0]
     assert "fuse_attention: 1 fused, 0 unfused" in lines[1] and "lower_gqa: 1 fused, 0 unfused" in lines[2]
     m = json.loads((out / "manifest.json").read_text())
     assert m["graphs"][0]["inputs"][0]["shape"] == [1, 128, 768]

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from runtime.generate import HostCacheGenerator
 from runtime.parity import TOLERANCE, sequence_parity, step_parity, within
 
 CONFIGS = {
@@ -14,7 +15,15 @@ CONFIGS = {
 }
 
 
-TARGETS = ["raw", "onnx", "ort"]
+TARGETS = ["raw", "onnx", "ort", "npu"]
+STEP_TARGETS = TARGETS[:3]  # the step contract; npu has the host-cache one
+
+
+def runner(art, step, target):
+    """What steps a target: its session, or for `npu` the host-cache driver around it."""
+    if target == "npu":
+        return art.generator("npu")
+    return art.session(step, target)
 
 
 @pytest.mark.parametrize("kind", ["attention", "block"])
@@ -23,7 +32,7 @@ TARGETS = ["raw", "onnx", "ort"]
 @pytest.mark.parametrize("target", TARGETS)
 def test_step_parity(exported, kind, name, step, target):
     art = exported(kind, **CONFIGS[name])
-    model, session, c = art.model(), art.session(step, target), art.config
+    model, session, c = art.model(), runner(art, step, target), art.config
     t = c.chunk if step == "prefill" else 1
     for p0 in (0, 7, c.capacity - t):  # empty cache, mid-cache, the last rows
         err = step_parity(model, session, c, t, p0, seed=p0)
@@ -41,7 +50,10 @@ def test_sequence_parity(exported, kind, name, target):
     art = exported(kind, **CONFIGS[name])
     c = art.config
     gen = art.generator(target)
-    assert gen.in_place == (target != "raw")  # fused cache writes share one buffer for past and present
+    if target == "npu":
+        assert isinstance(gen, HostCacheGenerator)  # the host owns the cache and the mask
+    else:
+        assert gen.in_place == (target != "raw")  # fused cache writes share one buffer for past and present
     res = sequence_parity(art.model(), gen, c, prompt_len=c.chunk + 9, decode_steps=16, seed=3)
     print(f"{kind}/{name}/{target}: sequence max abs {res['max_abs']:.2e}, worst at position {res['worst_position']}")
     assert within(res, c.dtype), res
@@ -74,7 +86,7 @@ def test_sequence_parity_fails_on_a_broken_cache(exported):
     assert not within(res, "fp32")
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", STEP_TARGETS)
 def test_causality_rows_beyond_the_position_change_nothing(exported, target):
     art = exported()
     c, session = art.config, art.session("prefill", target)
@@ -94,7 +106,22 @@ def test_causality_rows_beyond_the_position_change_nothing(exported, target):
     assert np.abs(session.run(past)["output"] - base).max() > 1e-2
 
 
-@pytest.mark.parametrize("target", TARGETS)
+def test_npu_causality_stale_rows_change_nothing(exported):
+    """The host's mask hides cache rows at and after p0. It is additive and finite (fp16-safe), so it hides
+    rows whose scores stay far below |MASK_VALUE| = 3e4: any real K row (here 10x a unit K) qualifies."""
+    gen = exported().generator("npu")
+    x = np.random.default_rng(1).standard_normal((1, gen.chunk, gen.hidden)).astype(np.float32)
+    gen.keys[...] = np.random.default_rng(2).standard_normal(gen.keys.shape)
+    gen.values[...] = np.random.default_rng(3).standard_normal(gen.values.shape)
+    base = gen.run_step("prefill", x, 20)
+    stale = np.random.default_rng(4).standard_normal(gen.keys[:, :, 20:].shape)
+    gen.keys[:, :, 20:], gen.values[:, :, 20:] = 10 * stale, -3e4
+    assert np.array_equal(gen.run_step("prefill", x, 20), base)
+    gen.values[:, :, 19] += 5.0  # a row every query sees
+    assert np.abs(gen.run_step("prefill", x, 20) - base).max() > 1e-2
+
+
+@pytest.mark.parametrize("target", STEP_TARGETS)
 def test_sdpa_switch_gives_the_same_graph_outputs(exported, target):
     plain, sdpa = exported(), exported(sdpa=True)
     for step, t in (("prefill", plain.config.chunk), ("decode", 1)):

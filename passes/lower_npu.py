@@ -1,0 +1,154 @@
+"""lower_npu: the fused `onnx` graph  ==>  static primitives at opset 17, the cache and mask owned by the host.
+
+The NPU step (what QNN, OpenVINO NPU and Vitis AI compile):
+
+    npu_step(hidden_states [B,T,E], position_ids [B,T] int32, attention_mask [B,1,T,C+T] additive,
+             past_key [B,Hkv,C,D], past_value [B,Hkv,C,D]) -> output [B,T,E], key [B,Hkv,T,D], value [B,Hkv,T,D]
+
+- RotaryEmbedding becomes x*cos + rotate_half(x)*sin with cos/sin gathered by the int32
+  positions from constant tables (the ones the graph's RotaryEmbedding held);
+- RMSNormalization becomes Mul/ReduceMean/Sqrt/Reciprocal (in fp32 when it stashed fp32);
+- Attention over a TensorScatter-written cache (checked causal by position, see
+  causal.py) becomes attention over Concat(past, new): query heads are grouped as
+  [B, Hkv, rep*T, D] against [B, Hkv, C+T, D], so K/V are never repeated, and the mask is
+  the `attention_mask` input, whose values the host fills with 0 or MASK_VALUE
+  (finite and fp16-safe: a fully masked row stays finite). The new K/V rows become the
+  outputs `key`/`value`; the host writes them into its cache at the step's positions.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from .analysis import attr, const, static_shape
+from .base import GraphPass, NotFused
+from .build import Builder, replace_value
+from .causal import cache_writes, check_cache_writes
+
+MASK_VALUE = -30000.0
+OPSET = 17
+
+
+class LowerNPU(GraphPass):
+    name = "lower_npu"
+
+    def run(self, model: ir.Model) -> bool:
+        graph = model.graph
+        old = next((v for v in graph.inputs if v.name == "position_ids"), None)
+        if old is None or old.dtype != ir.DataType.INT64:
+            raise NotFused("no int64 position_ids input: not a step-contract graph")
+        attention = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
+        if not attention:
+            raise NotFused("no fused Attention to lower (run the onnx pipeline first)")
+        batch, length = static_shape(old)
+        old.name = "position_ids.int64"
+        pos = ir.Value(name="position_ids", shape=ir.Shape([batch, length]), type=ir.TensorType(ir.DataType.INT32))
+        graph.inputs.insert(graph.inputs.index(old) + 1, pos)
+        mask = None
+        for node in attention:
+            mask = self._attention(model, node, old, mask)
+            self.stats["attention"] += 1
+        for node in [n for n in graph if n.op_type == "RotaryEmbedding" and n.domain == ""]:
+            self._rope(model, node, old, pos)
+            self.stats["rope"] += 1
+        for node in [n for n in graph if n.op_type == "RMSNormalization"]:
+            self._rmsnorm(model, node)
+            self.stats["rmsnorm"] += 1
+        ir.passes.common.RemoveUnusedNodesPass()(model)
+        if old.uses():
+            raise NotFused(f"position_ids is still used by {[u.op_type for u, _ in old.uses()]} after lowering")
+        graph.inputs.remove(old)
+        model.opset_imports[""] = OPSET
+        return True
+
+    def _attention(self, model, node, old_pos, mask_input):
+        q, k, v = node.inputs[:3]
+        writes = cache_writes(node)
+        if writes is None:
+            raise NotFused(f"{node.name}: K/V are not TensorScatter cache writes")
+        (batch, heads, length, dim), (_, kv_heads, capacity, _) = static_shape(q), static_shape(k)
+        mask = node.inputs[3] if len(node.inputs) > 3 else None
+        if check_cache_writes(model, writes, mask, batch, length, capacity) is not old_pos:
+            raise NotFused(f"{node.name}: the cache is written at another input than position_ids")
+        graph, dtype, rep, total = model.graph, q.dtype, heads // kv_heads, capacity + length
+        if mask_input is None:
+            mask_input = ir.Value(name="attention_mask", shape=ir.Shape([batch, 1, length, total]), type=ir.TensorType(dtype))
+            graph.inputs.insert(graph.inputs.index(old_pos) + 2, mask_input)
+        b = Builder(model, node, f"{self.name}/{node.name}")
+        shape = lambda *dims: b.const(np.array(dims, np.int64), "shape")  # noqa: E731
+        new_k, new_v = writes[0].inputs[1], writes[1].inputs[1]
+        keys = b.op("Concat", [writes[0].inputs[0], new_k], [batch, kv_heads, total, dim], dtype, axis=2)
+        values = b.op("Concat", [writes[1].inputs[0], new_v], [batch, kv_heads, total, dim], dtype, axis=2)
+        grouped = b.op("Reshape", [q, shape(batch, kv_heads, rep * length, dim)], [batch, kv_heads, rep * length, dim], dtype)
+        keys_t = b.op("Transpose", [keys], [batch, kv_heads, dim, total], dtype, perm=[0, 1, 3, 2])
+        scores = b.op("MatMul", [grouped, keys_t], [batch, kv_heads, rep * length, total], dtype)
+        scale = float(attr(node, "scale", dim ** -0.5))
+        scores = b.op("Mul", [scores, b.const(np.array(scale, dtype.numpy()), "scale")], [batch, kv_heads, rep * length, total], dtype)
+        fp32 = dtype != ir.DataType.FLOAT and attr(node, "softmax_precision", 0) == int(ir.DataType.FLOAT)
+        sdt = ir.DataType.FLOAT if fp32 else dtype
+        five = [batch, kv_heads, rep, length, total]
+        scores = b.op("Reshape", [scores, shape(*five)], five, dtype)
+        m = b.op("Reshape", [mask_input, shape(batch, 1, 1, length, total)], [batch, 1, 1, length, total], dtype)
+        if fp32:
+            scores = b.op("Cast", [scores], five, sdt, to=int(sdt))
+            m = b.op("Cast", [m], [batch, 1, 1, length, total], sdt, to=int(sdt))
+        probs = b.op("Softmax", [b.op("Add", [scores, m], five, sdt)], five, sdt, axis=-1)
+        if fp32:
+            probs = b.op("Cast", [probs], five, dtype, to=int(dtype))
+        probs = b.op("Reshape", [probs, shape(batch, kv_heads, rep * length, total)], [batch, kv_heads, rep * length, total], dtype)
+        out = b.op("MatMul", [probs, values], [batch, kv_heads, rep * length, dim], dtype)
+        out = b.op("Reshape", [out, shape(batch, heads, length, dim)], [batch, heads, length, dim], dtype)
+        replace_value(node.outputs[0], out)
+        for write, name in zip(writes, ("key", "value")):
+            outputs = model.graph.outputs
+            if write.outputs[0] in outputs:
+                outputs[outputs.index(write.outputs[0])] = write.inputs[1]
+                write.inputs[1].name = name
+        return mask_input
+
+    def _rope(self, model, node, old_pos, pos):
+        x, cos_cache, sin_cache, positions = node.inputs[:4]
+        tables = [const(cos_cache), const(sin_cache)]
+        shape = static_shape(x)
+        heads = attr(node, "num_heads", 0)
+        if positions is not old_pos or any(t is None for t in tables) or len(shape) != 3 or not heads \
+                or attr(node, "interleaved", 0) or attr(node, "rotary_embedding_dim", 0):
+            raise NotFused(f"{node.name}: RotaryEmbedding is not a whole-head, non-interleaved rotation at position_ids")
+        batch, length, width = shape
+        dim, dtype = width // heads, x.dtype
+        b = Builder(model, node, f"{self.name}/{node.name}")
+        shp = lambda *dims: b.const(np.array(dims, np.int64), "shape")  # noqa: E731
+        x4 = b.op("Reshape", [x, shp(batch, length, heads, dim)], [batch, length, heads, dim], dtype)
+        angles = []
+        for table in tables:
+            full = b.const(np.concatenate([table, table], axis=-1).astype(dtype.numpy()), "rope_table")
+            rows = b.op("Gather", [full, pos], [batch, length, dim], dtype, axis=0)
+            angles.append(b.op("Reshape", [rows, shp(batch, length, 1, dim)], [batch, length, 1, dim], dtype))
+        half = dim // 2
+        axis = b.const(np.array([3], np.int64), "axis")
+        first = b.op("Slice", [x4, b.const(np.array([0], np.int64), "start"), b.const(np.array([half], np.int64), "end"), axis],
+                     [batch, length, heads, half], dtype)
+        second = b.op("Slice", [x4, b.const(np.array([half], np.int64), "start"), b.const(np.array([dim], np.int64), "end"), axis],
+                      [batch, length, heads, half], dtype)
+        rotated = b.op("Concat", [b.op("Neg", [second], [batch, length, heads, half], dtype), first],
+                       [batch, length, heads, dim], dtype, axis=3)
+        four = [batch, length, heads, dim]
+        out = b.op("Add", [b.op("Mul", [x4, angles[0]], four, dtype), b.op("Mul", [rotated, angles[1]], four, dtype)], four, dtype)
+        replace_value(node.outputs[0], b.op("Reshape", [out, shp(batch, length, width)], shape, dtype))
+
+    def _rmsnorm(self, model, node):
+        x, scale = node.inputs[:2]
+        if attr(node, "axis", -1) not in (-1, len(x.shape) - 1):
+            raise NotFused(f"{node.name}: RMSNormalization over axis {attr(node, 'axis')}; expected the last")
+        shape, dtype = list(static_shape(x)), x.dtype
+        stash = ir.DataType(attr(node, "stash_type", int(ir.DataType.FLOAT)))
+        b = Builder(model, node, f"{self.name}/{node.name}")
+        xs = b.op("Cast", [x], shape, stash, to=int(stash)) if stash != dtype else x
+        reduced = shape[:-1] + [1]
+        mean = b.op("ReduceMean", [b.op("Mul", [xs, xs], shape, stash)], reduced, stash, axes=[-1], keepdims=1)
+        eps = b.const(np.array(attr(node, "epsilon", 1e-5), stash.numpy()), "epsilon")
+        inv = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [mean, eps], reduced, stash)], reduced, stash)], reduced, stash)
+        normed = b.op("Mul", [xs, inv], shape, stash)
+        if stash != dtype:
+            normed = b.op("Cast", [normed], shape, dtype, to=int(dtype))
+        replace_value(node.outputs[0], b.op("Mul", [normed, scale], shape, dtype))
