@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup export test bench bench-quick fusion-table clean
+.PHONY: setup export handoff test bench bench-quick fusion-table clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,9 @@ $(STAMP): requirements.txt
 
 export: setup
 	$(PY) -m export $(ARGS)
+
+handoff: setup
+	$(PY) -m export.handoff $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(ARGS)

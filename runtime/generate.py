@@ -130,17 +130,20 @@ class HostCacheGenerator(Driver):
         self.keys = np.zeros(self.cache_shape, self.cache_dtype)
         self.values = np.zeros(self.cache_shape, self.cache_dtype)
 
-    def mask(self, p0: int, t: int) -> np.ndarray:
-        visible = np.concatenate([np.broadcast_to(np.arange(self.capacity) < p0, (t, self.capacity)),
-                                  np.tril(np.ones((t, t), bool))], axis=1)
-        mask = np.where(visible, 0.0, self.mask_value).astype(self.cache_dtype)
-        return np.broadcast_to(mask, (self.batch, 1, t, self.capacity + t)).copy()
-
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
         position_ids = self._positions(session, x, p0)
         t = position_ids.shape[1]
-        out = session.run({"hidden_states": x, "position_ids": position_ids, "attention_mask": self.mask(p0, t),
+        mask = host_mask(self.batch, self.capacity, p0, t, self.mask_value, self.cache_dtype)
+        out = session.run({"hidden_states": x, "position_ids": position_ids, "attention_mask": mask,
                            "past_key": self.keys, "past_value": self.values})
         self.keys[:, :, p0:p0 + t] = out["key"]
         self.values[:, :, p0:p0 + t] = out["value"]
         return out["output"]
+
+
+def host_mask(batch: int, capacity: int, p0: int, t: int, mask_value: float, dtype) -> np.ndarray:
+    """The npu step's attention_mask [B, 1, T, C+T]: 0 where visible, `mask_value` elsewhere."""
+    visible = np.concatenate([np.broadcast_to(np.arange(capacity) < p0, (t, capacity)),
+                              np.tril(np.ones((t, t), bool))], axis=1)
+    mask = np.where(visible, 0.0, mask_value).astype(dtype)
+    return np.broadcast_to(mask, (batch, 1, t, capacity + t)).copy()

@@ -1,0 +1,197 @@
+"""make handoff: a self-checking bundle for NPU toolchains, in artifacts/<name>/handoff/.
+
+For the attention block and the decoder block: the `npu` graphs in fp32 and fp16 and the
+`onnx` graphs in fp32 (each with the export's own manifest), golden vectors (inputs and
+eager-PyTorch outputs for a prefill chunk and 8 decode steps), the lint report, which
+runtimes accept which target (measured by running the golden vectors), and a README for
+the receiving engineer. `python -m runtime.verify BUNDLE` re-checks it from the bundle alone.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models import AttentionConfig, build_model, preset
+from passes.lint import lint
+from passes.lower_npu import MASK_VALUE
+from runtime.generate import host_mask
+from runtime.parity import TOLERANCE, reference_model
+from runtime.verify import available_runtimes, verify_graph
+
+from .exporter import export_model
+
+VARIANTS = (("fp32", ("onnx", "npu")), ("fp16", ("npu",)))
+KINDS = ("attention", "block")
+DECODE_STEPS = 8
+
+
+def golden(model, config: AttentionConfig, target: str, seed: int = 0) -> dict[str, list]:
+    """Per step graph: [(inputs, eager outputs, rows written)] for a prefill chunk at 0, then decode steps."""
+    reference, np_dtype = reference_model(model), "float16" if config.dtype == "fp16" else "float32"
+    t, b = config.chunk, config.batch
+    x = torch.randn(b, t + DECODE_STEPS, config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    x = x.to(config.torch_dtype).float()  # what the graph sees, in fp32 for the reference
+    cache = [torch.zeros(b, config.num_kv_heads, config.capacity, config.head_dim) for _ in range(2)]
+    steps = {"prefill": [], "decode": []}
+    for step, p0, n in [("prefill", 0, t)] + [("decode", t + i, 1) for i in range(DECODE_STEPS)]:
+        pos = (p0 + torch.arange(n)).expand(b, n)
+        with torch.no_grad():
+            out, k, v = reference(x[:, p0:p0 + n], pos, *cache)
+        feeds = {"hidden_states": x[:, p0:p0 + n].numpy().astype(np_dtype),
+                 "position_ids": pos.numpy().astype("int32" if target == "npu" else "int64")}
+        if target == "npu":
+            feeds["attention_mask"] = host_mask(b, config.capacity, p0, n, MASK_VALUE, np_dtype)
+            want = {"output": out.numpy(), "key": k[:, :, p0:p0 + n].numpy(), "value": v[:, :, p0:p0 + n].numpy()}
+        else:
+            want = {"output": out.numpy(), "present_key": k.numpy(), "present_value": v.numpy()}
+        feeds |= {"past_key": cache[0].numpy().astype(np_dtype), "past_value": cache[1].numpy().astype(np_dtype)}
+        steps[step].append((feeds, want, p0 + n))
+        cache = [k, v]
+    return steps
+
+
+def save_golden(path: Path, steps: list) -> None:
+    arrays = {"steps": np.array(len(steps))}
+    for i, (feeds, want, live) in enumerate(steps):
+        arrays |= {f"in.{i}.{k}": v for k, v in feeds.items()} | {f"out.{i}.{k}": v for k, v in want.items()}
+        arrays[f"live.{i}"] = np.array(live)
+    np.savez_compressed(path, **arrays)
+
+
+def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, log=print) -> dict:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".handoff-", dir=out.parent))
+    try:
+        graphs = []
+        for kind in kinds:
+            for dtype, targets in VARIANTS:
+                c, folder = config.replace(dtype=dtype), f"{kind}-{dtype}"
+                export_model(c, tmp / folder, kind=kind, seed=seed, targets=targets, log=lambda *_: None)
+                model = build_model(c, kind, seed)
+                for target in targets:
+                    for step, steps in golden(model, c, target, seed).items():
+                        name = f"{folder}/{step}.{target}"
+                        save_golden(tmp / f"{name}.golden.npz", steps)
+                        graphs.append({"file": f"{name}.onnx", "golden": f"{name}.golden.npz", "kind": kind, "dtype": dtype,
+                                       "target": target, "step": step, "tolerance": TOLERANCE[dtype]})
+                log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors")
+        lints = {g["file"]: [vars(v) for v in lint(tmp / g["file"], g["target"])] for g in graphs}
+        runtimes = {rt: {t: all(verify_graph(tmp, g, rt)["ok"] for g in graphs if g["target"] == t)
+                         for t in dict.fromkeys(g["target"] for g in graphs)} for rt in available_runtimes()}
+        if not all(runtimes["onnxruntime"].values()) or any(lints[g["file"]] for g in graphs if g["target"] == "npu"):
+            raise RuntimeError(f"bundle check failed: onnxruntime {runtimes['onnxruntime']}, lint {lints}")
+        manifest = {"format": 1, "config": config.to_dict(), "kinds": list(kinds), "contract": CONTRACT,
+                    "graphs": graphs, "runtimes": runtimes, "lint": "lint.json"}
+        (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / "README.md").write_text(readme(config, runtimes))
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {out}: {len(graphs)} graphs; accepted by " +
+        "; ".join(f"{rt}: {', '.join(t for t, ok in r.items() if ok) or 'none'}" for rt, r in runtimes.items()))
+    return manifest
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Swap the finished bundle into place; the old one, if any, is removed only after."""
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(new, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+CONTRACT = {
+    "npu": {
+        "inputs": "hidden_states [B,T,E]; position_ids [B,T] int32 (p0..p0+T-1); attention_mask [B,1,T,C+T] additive; "
+                  "past_key, past_value [B,Hkv,C,D]",
+        "outputs": "output [B,T,E]; key, value [B,Hkv,T,D]: the step's new rows (K after q/k norm and RoPE)",
+        "mask": f"column j < C: 0 if j < p0 else {MASK_VALUE}; column C+t': 0 for query t if t' <= t else {MASK_VALUE}",
+        "mask_value": MASK_VALUE,
+        "cache_update": "host writes key/value into rows p0..p0+T-1 of its [B,Hkv,C,D] buffers after each step",
+        "rope": "non-interleaved rotate_half; cos/sin gathered in the graph from constant tables by position_ids",
+        "gqa": "query heads grouped as [B,Hkv,(H/Hkv)*T,D] against [B,Hkv,C+T,D]; K/V never repeated",
+        "opset": 17,
+    },
+    "onnx": {
+        "inputs": "hidden_states [B,T,E]; position_ids [B,T] int64; past_key, past_value [B,Hkv,C,D]",
+        "outputs": "output [B,T,E]; present_key, present_value [B,Hkv,C,D]: past with rows p0..p0+T-1 written; "
+                   "later rows unspecified",
+        "opset": 24,
+    },
+}
+
+
+def readme(config: AttentionConfig, runtimes: dict) -> str:
+    accepted = "\n".join(f"- {rt}: " + ", ".join(f"`{t}` {'yes' if ok else 'no'}" for t, ok in r.items())
+                         for rt, r in runtimes.items())
+    return f"""# Attention hand-off bundle
+
+MiniMind attention block and decoder block (E={config.hidden_size}, H={config.num_heads}, Hkv={config.num_kv_heads},
+D={config.head_dim}, cache C={config.capacity} rows, prefill chunk T={config.chunk}, batch {config.batch}), random
+weights (seed 0), as static ONNX graphs.
+
+| folder | graphs |
+|---|---|
+| `attention-fp32/`, `block-fp32/` | `prefill.npu.onnx`, `decode.npu.onnx` (opset 17), `prefill.onnx.onnx`, `decode.onnx.onnx` (opset 24) |
+| `attention-fp16/`, `block-fp16/` | `prefill.npu.onnx`, `decode.npu.onnx` in fp16 |
+
+Every graph has a `*.golden.npz` beside it: inputs and eager-PyTorch (fp32) outputs for a prefill chunk at
+position 0 (prefill graphs) or 8 decode steps after it (decode graphs). Check them with
+`python -m runtime.verify .` (needs only numpy, onnxruntime and, optionally, openvino). Tolerance: fp32 1e-4,
+fp16 1e-2 (absolute, or relative to the output's largest value).
+
+## The npu step
+
+```
+npu_step(hidden_states [B,T,E], position_ids [B,T] int32, attention_mask [B,1,T,C+T],
+         past_key [B,Hkv,C,D], past_value [B,Hkv,C,D]) -> output [B,T,E], key [B,Hkv,T,D], value [B,Hkv,T,D]
+```
+
+- You own the cache: start with zeros; after a step at positions p0..p0+T-1, write `key`/`value` into rows
+  p0..p0+T-1. A prompt longer than T goes in chunks of T (pad the last one; ignore padded outputs).
+- `attention_mask` is additive and finite: column j < C is 0 if j < p0 else {MASK_VALUE}; column C+t' is 0 for
+  query t if t' <= t else {MASK_VALUE}. Finite, so no row turns into NaN in fp16.
+- RoPE is applied inside the graph (non-interleaved rotate_half) from constant cos/sin tables indexed by the
+  int32 `position_ids`; V is not rotated.
+- GQA groups the query heads ([B,Hkv,(H/Hkv)*T,D] against [B,Hkv,C+T,D]); K/V are never repeated.
+- Static primitives only: no If/Loop/Scan, Shape/Range/ConstantOfShape/NonZero, scatter, Expand/Tile or
+  computed Reshape; no infinities (see `lint.json`, all clean).
+
+## Verified on (measured when this bundle was built)
+
+{accepted}
+"""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m export.handoff", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="minimind", help="model config [minimind]")
+    p.add_argument("--out", help="bundle folder [artifacts/PRESET/handoff]")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="models to include [both]")
+    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    args = p.parse_args(argv)
+    try:
+        build(preset(args.preset), args.out or f"artifacts/{args.preset}/handoff", kinds=tuple(args.kinds))
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""python -m runtime.verify BUNDLE_DIR: re-run a hand-off bundle's golden vectors, needing only the bundle.
+
+Every graph listed in the bundle's manifest.json is run on its golden inputs in
+onnxruntime (CPU) and, where the `openvino` package is installed, compiled and run with
+OpenVINO on its CPU device. Each output is compared with the eager-PyTorch output stored
+beside the inputs (present_* only on the rows written so far, as the step contract says).
+Prints one line per graph and runtime; exits 1 if a graph fails in onnxruntime, or a graph
+the manifest says OpenVINO accepts fails there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+
+class BundleError(ValueError):
+    """A folder that is not a readable hand-off bundle."""
+
+
+def golden_steps(path: Path) -> list[tuple[dict, dict, int]]:
+    """[(inputs, expected outputs, rows written so far)] for each step stored in a golden .npz."""
+    data = np.load(path)
+    steps = []
+    for i in range(int(data["steps"])):
+        inputs = {k.split(".", 2)[2]: data[k] for k in data.files if k.startswith(f"in.{i}.")}
+        outputs = {k.split(".", 2)[2]: data[k] for k in data.files if k.startswith(f"out.{i}.")}
+        steps.append((inputs, outputs, int(data[f"live.{i}"])))
+    return steps
+
+
+def compare(got: dict, want: dict, live: int) -> float:
+    """Worst error over the outputs: absolute, or relative to the output's largest value when that is smaller."""
+    worst = 0.0
+    for name, expected in want.items():
+        actual = got[name].astype(np.float64)
+        expected = expected.astype(np.float64)
+        if name.startswith("present"):
+            actual, expected = actual[:, :, :live], expected[:, :, :live]
+        diff = float(np.abs(actual - expected).max())
+        scale = float(np.abs(expected).max()) or 1.0
+        worst = max(worst, min(diff, diff / scale))
+    return worst
+
+
+def _onnxruntime(path: Path):
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return lambda feeds: dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+def _openvino(path: Path):
+    import openvino as ov
+    core = ov.Core()
+    # OpenVINO's CPU plugin computes in bf16 where the processor has it, unless asked for f32.
+    compiled = core.compile_model(core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    request = compiled.create_infer_request()
+
+    def run(feeds):
+        result = request.infer(feeds)
+        return {out.get_any_name(): result[out] for out in compiled.outputs}
+    return run
+
+
+RUNTIMES = {"onnxruntime": _onnxruntime, "openvino-cpu": _openvino}
+
+
+def verify_graph(bundle: Path, graph: dict, runtime: str) -> dict:
+    try:
+        run = RUNTIMES[runtime](bundle / graph["file"])
+        errors = [compare(run(inputs), want, live) for inputs, want, live in golden_steps(bundle / graph["golden"])]
+    except Exception as e:
+        return {"ok": False, "error": _reason(e)}
+    worst = max(errors)
+    return {"ok": bool(worst <= graph["tolerance"]), "max_error": worst, "steps": len(errors)}
+
+
+def _reason(e: Exception) -> str:
+    """One line: the most telling line of a runtime's (often multi-line) message."""
+    lines = [line.strip(" -") for line in str(e).splitlines() if line.strip()]
+    telling = [line for line in lines if "conversion rule" in line or "not supported" in line.lower()]
+    return f"{type(e).__name__}: {(telling or lines or [''])[-1][:200]}"
+
+
+def available_runtimes() -> list[str]:
+    try:
+        import openvino  # noqa: F401
+        return list(RUNTIMES)
+    except ImportError:
+        return ["onnxruntime"]
+
+
+def verify(bundle: str | Path, log=print) -> bool:
+    bundle = Path(bundle)
+    try:
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        graphs = manifest["graphs"]
+    except (OSError, ValueError, KeyError) as e:
+        raise BundleError(f"{bundle}: no readable manifest.json with graphs ({e}); expected a bundle from make handoff") from None
+    ok = True
+    for graph in graphs:
+        for runtime in available_runtimes():
+            expected = manifest.get("runtimes", {}).get(runtime, {}).get(graph["target"], True)
+            r = verify_graph(bundle, graph, runtime)
+            status = "pass" if r["ok"] else ("FAIL" if expected else "not accepted (as the manifest says)")
+            detail = f"max error {r['max_error']:.2e} over {r['steps']} step(s)" if "max_error" in r else r["error"]
+            log(f"{status:5s} {runtime:12s} {graph['file']}: {detail}")
+            ok &= r["ok"] or not expected
+    return ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("bundle", help="a hand-off folder (artifacts/NAME/handoff)")
+    args = p.parse_args(argv)
+    try:
+        return 0 if verify(args.bundle) else 1
+    except BundleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""make handoff: the bundle lints clean, verifies from the bundle alone, and says which runtime takes what."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from export.handoff import build
+from models import preset
+from runtime.verify import main as verify_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("handoff") / "handoff"
+    build(preset("tiny"), out, log=lambda *_: None)
+    return out
+
+
+def test_bundle_contents(bundle):
+    m = json.loads((bundle / "manifest.json").read_text())
+    files = {g["file"] for g in m["graphs"]}
+    for kind in ("attention", "block"):
+        assert {f"{kind}-fp32/{s}.{t}.onnx" for s in ("prefill", "decode") for t in ("npu", "onnx")} <= files
+        assert {f"{kind}-fp16/{s}.npu.onnx" for s in ("prefill", "decode")} <= files
+    assert all((bundle / g["golden"]).exists() for g in m["graphs"])
+    assert json.loads((bundle / "lint.json").read_text()) == {g["file"]: [] for g in m["graphs"]}
+    assert m["contract"]["npu"]["mask_value"] == -30000.0 and m["contract"]["npu"]["opset"] == 17
+    assert m["runtimes"]["onnxruntime"] == {"onnx": True, "npu": True}
+    assert m["runtimes"]["openvino-cpu"] == {"onnx": False, "npu": True}  # OpenVINO 2026.4 has no TensorScatter
+    assert "openvino-cpu: `onnx` no, `npu` yes" in (bundle / "README.md").read_text()
+    golden = np.load(bundle / "attention-fp32/decode.npu.golden.npz")
+    assert int(golden["steps"]) == 8 and golden["in.0.position_ids"].dtype == np.int32
+
+
+def test_verify_needs_only_the_bundle(bundle):
+    """No torch and none of the model code: the receiving engineer has neither."""
+    code = ("import sys; sys.modules.update(torch=None, models=None, export=None, passes=None); "
+            "from runtime.verify import main; sys.exit(main([sys.argv[1]]))")
+    res = subprocess.run([sys.executable, "-c", code, str(bundle)], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert sum(line.startswith("pass  onnxruntime") for line in lines) == 12
+    assert sum(line.startswith("pass  openvino-cpu") for line in lines) == 8
+
+
+def test_verify_catches_a_wrong_golden(bundle, tmp_path, capsys):
+    import shutil
+    copy = tmp_path / "b"
+    shutil.copytree(bundle, copy)
+    path = copy / "block-fp32/decode.npu.golden.npz"
+    data = dict(np.load(path))
+    data["out.3.output"] = data["out.3.output"] + 0.01
+    np.savez(path, **data)
+    assert verify_main([str(copy)]) == 1
+    assert "FAIL  onnxruntime  block-fp32/decode.npu.onnx" in capsys.readouterr().out
+
+
+def test_verify_refuses_a_folder_that_is_no_bundle(tmp_path, capsys):
+    assert verify_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path}: no readable manifest.json") and err.count("\n") == 1
+
+
+def test_fully_masked_rows_stay_finite_in_fp16(bundle):
+    """The mask is finite by design: even a row with nothing visible gives numbers, not NaN."""
+    import onnxruntime as ort
+    golden = np.load(bundle / "attention-fp16/decode.npu.golden.npz")
+    feeds = {k.split(".", 2)[2]: golden[k] for k in golden.files if k.startswith("in.0.")}
+    feeds["attention_mask"] = np.full_like(feeds["attention_mask"], -30000.0)
+    out = ort.InferenceSession(str(bundle / "attention-fp16/decode.npu.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert all(np.isfinite(o.astype(np.float32)).all() for o in out)
