@@ -19,7 +19,8 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m passes",
         description="Run a target's pass pipeline on an ONNX file: raw (cleanup only), onnx (standard opset-24 "
                     "Attention, TensorScatter, RMSNormalization), ort (onnxruntime GroupQueryAttention, "
-                    "SimplifiedLayerNormalization). Prints one statistics line per pass. The input is never "
+                    "SimplifiedLayerNormalization), npu (opset-17 static primitives, host-owned cache and mask). "
+                    "Prints one statistics line per pass. The input is never "
                     "modified; the output is written atomically, and not at all when a check below fails.")
     p.add_argument("input", help="ONNX file to rewrite")
     p.add_argument("output", help="where to write the rewritten graph")
@@ -46,6 +47,10 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    if args.verify and args.target == "npu":
+        raise ValueError("--verify runs the graph before and after on the same feeds, but the npu target changes the "
+                         "step's inputs and outputs; expected --target raw/onnx/ort (make export checks npu graphs "
+                         "against eager PyTorch through the host-cache driver)")
     model = load(args.input)
     report = run_pipeline(model, args.target, dump_dir=args.dump_dir, log=print)
     report.update(input=str(args.input), output=str(args.output))

@@ -103,3 +103,13 @@ def test_verify_catches_a_changed_graph(raw, tmp_path):
     results = compare(str(raw), model.SerializeToString())
     assert not results["output"]["ok"] and results["output"]["max_abs"] > 1e-3
     assert results["present_value"]["ok"] or results["present_key"]["ok"]
+
+
+def test_npu_target_from_the_cli(raw, tmp_path, capsys):
+    out = tmp_path / "npu.onnx"
+    assert main([str(raw), str(out), "--target", "npu", "--require-fusion"]) == 0
+    assert "lower_npu: 1 attention, 2 rope, 2 rmsnorm" in capsys.readouterr().out
+    from passes.lint import lint
+    assert lint(out, "npu") == []
+    assert main([str(raw), str(tmp_path / "v.onnx"), "--target", "npu", "--verify"]) == 1
+    assert "npu target changes the step's inputs and outputs" in capsys.readouterr().err
