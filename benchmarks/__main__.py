@@ -4,7 +4,6 @@ Writes benchmarks/results.json, results.md and decode.png (or quick.json with --
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -21,6 +20,7 @@ import torch
 from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
 from export import export_model
+from runtime.cli import Parser, run
 from models import preset
 
 from .engines import ENGINES
@@ -89,13 +89,16 @@ def run_engine(engine: str, config, folders: dict, jobs: list, threads: int, tim
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="decode@1024 and prefill@0 only, fewer repetitions -> quick.json")
     p.add_argument("--preset", default="minimind", help="model config [minimind]")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every engine [all cores]")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES, help="engines to run [all]")
     p.add_argument("--out", default="benchmarks", help="output folder [benchmarks]")
-    args = p.parse_args(argv)
+    return run(bench, p.parse_args(argv))
+
+
+def bench(args) -> int:
     config, out = preset(args.preset), Path(args.out)
     jobs = workloads(config, args.quick)
     total = len(jobs) * len(args.engines)

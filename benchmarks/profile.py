@@ -6,7 +6,6 @@ profiler on, and prints the kernel time per op type and per run. Uses the graphs
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -14,6 +13,7 @@ import sys
 from pathlib import Path
 
 from models import preset
+from runtime.cli import Parser, run
 
 from .engines import Engine
 from .workloads import workloads
@@ -43,20 +43,23 @@ def profile(engine: Engine, workload) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("engine", choices=["ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort"])
     p.add_argument("workloads", nargs="+", help="e.g. decode@1024 prefill@0 block/decode@1024")
     p.add_argument("--preset", default="minimind")
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    args = p.parse_args(argv)
+    return run(_profile_all, p.parse_args(argv))
+
+
+def _profile_all(args) -> int:
     config = preset(args.preset)
     known = {w.name: w for w in workloads(config, quick=False)}
+    unknown = [w for w in args.workloads if w not in known]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {unknown}: expected some of {', '.join(known)}")
     folders = {k: Path("benchmarks/.work") / f"{args.preset}-{k}" for k in ("attention", "block")}
     engine = Engine(args.engine, config, folders, args.threads, profile=True)
     for name in args.workloads:
-        if name not in known:
-            print(f"error: unknown workload {name!r}: expected one of {', '.join(known)}", file=sys.stderr)
-            return 1
         print(profile(engine, known[name]) + "\n")
     return 0
 

@@ -7,7 +7,6 @@ raw graph this project's pipelines start from.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 
@@ -15,6 +14,7 @@ import onnx_ir as ir
 from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
 from passes.leftovers import FUSED_OPS, unfused_attention
+from runtime.cli import Parser
 from passes.pipeline import run_pipeline
 
 from . import cases, export_case
@@ -57,7 +57,7 @@ def table(rows: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argparse.ArgumentParser(prog="python -m corpus", description=__doc__.split("\n\n")[0]).parse_args(argv)
+    Parser(prog="python -m corpus", description=__doc__.split("\n\n")[0]).parse_args(argv)
     rows = {}
     for case in cases():
         rows[case.name] = measure(case)

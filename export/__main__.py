@@ -9,6 +9,7 @@ import dataclasses
 import sys
 
 from models import KINDS, PRESETS, AttentionConfig, preset
+from runtime.cli import Parser, run
 
 from .exporter import export_model
 from .torch_export import DEFAULT_OPSET
@@ -29,7 +30,7 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m export",
         description="Export an attention block (or MiniMind decoder block) to two static ONNX graphs, "
                     "prefill (T = chunk) and decode (T = 1), over a fixed-capacity KV cache, with "
@@ -43,23 +44,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", metavar="PATH", help="a MiniMind state dict (.pt/.pth) to load instead of random weights")
     p.add_argument("--layer", type=int, metavar="N", help="with a full MiniMind checkpoint: which model.layers.N to take")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset of the exported graphs [{DEFAULT_OPSET}]")
-    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     _config_flags(p)
     return p
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    return run(_export, parser().parse_args(argv))
+
+
+def _export(args) -> int:
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(AttentionConfig) if getattr(args, f.name) is not None}
-    try:
-        config = preset(args.preset, **overrides)
-        out = args.out or f"artifacts/{args.preset}" + ("-block" if args.kind == "block" else "")
-        export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset)
-    except Exception as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    config = preset(args.preset, **overrides)
+    out = args.out or f"artifacts/{args.preset}" + ("-block" if args.kind == "block" else "")
+    export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset)
     return 0
 
 

@@ -8,7 +8,6 @@ the receiving engineer. `python -m runtime.verify BUNDLE` re-checks it from the 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from models import AttentionConfig, build_model, preset
 from passes.lint import lint
 from passes.lower_npu import MASK_VALUE
 from runtime.generate import host_mask
+from runtime.cli import Parser, run
 from runtime.parity import TOLERANCE, reference_model
 from runtime.verify import available_runtimes, verify_graph
 
@@ -177,19 +177,15 @@ npu_step(hidden_states [B,T,E], position_ids [B,T] int32, attention_mask [B,1,T,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m export.handoff", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m export.handoff", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="minimind", help="model config [minimind]")
     p.add_argument("--out", help="bundle folder [artifacts/PRESET/handoff]")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="models to include [both]")
-    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
-    args = p.parse_args(argv)
-    try:
-        build(preset(args.preset), args.out or f"artifacts/{args.preset}/handoff", kinds=tuple(args.kinds))
-    except Exception as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run(_build, p.parse_args(argv))
+
+
+def _build(args) -> int:
+    build(preset(args.preset), args.out or f"artifacts/{args.preset}/handoff", kinds=tuple(args.kinds))
     return 0
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from runtime.cli import Parser, run
+
 from .leftovers import FUSED_OPS, unfused_attention
 from .model_io import load, save_atomic
 from .pipeline import TARGETS, run_pipeline
@@ -15,7 +17,7 @@ from .verify import compare
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m passes",
         description="Run a target's pass pipeline on an ONNX file: raw (cleanup only), onnx (standard opset-24 "
                     "Attention, TensorScatter, RMSNormalization), ort (onnxruntime GroupQueryAttention, "
@@ -31,22 +33,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="run the graph before and after in onnxruntime on random feeds; fail past tolerance")
     p.add_argument("--dump-dir", metavar="DIR", help="save the graph after every pass into DIR (NN-pass.onnx)")
-    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     return p
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        return run(args)
-    except Exception as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run(rewrite, parser().parse_args(argv))
 
 
-def run(args) -> int:
+def rewrite(args) -> int:
     if args.verify and args.target == "npu":
         raise ValueError("--verify runs the graph before and after on the same feeds, but the npu target changes the "
                          "step's inputs and outputs; expected --target raw/onnx/ort (make export checks npu graphs "

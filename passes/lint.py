@@ -9,7 +9,6 @@ K/V repeat; `onnx` also standard domains only at opset 24.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+
+from runtime.cli import Parser, run
 
 from .analysis import const
 from .leftovers import unfused_attention
@@ -112,19 +113,15 @@ def lint(path: str | Path, profile: str) -> list[Violation]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m passes.lint", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m passes.lint", description=__doc__.split("\n\n")[0])
     p.add_argument("file", help="ONNX file to check")
     p.add_argument("--profile", required=True, choices=sorted(PROFILES), help="which toolchain's rules")
     p.add_argument("--json", metavar="FILE", help="also write the violations as JSON")
-    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
-    args = p.parse_args(argv)
-    try:
-        found = lint(args.file, args.profile)
-    except Exception as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run(_report, p.parse_args(argv), status=2)
+
+
+def _report(args) -> int:
+    found = lint(args.file, args.profile)
     for v in found:
         print(f"{v.rule}: {v.node or '-'} ({v.op or '-'}): {v.message}")
     print(f"{args.file}: {len(found)} violation(s) of profile {args.profile}")

@@ -9,10 +9,11 @@ the manifest says OpenVINO accepts fails there.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from .cli import Parser, run
 
 import numpy as np
 import onnxruntime as ort
@@ -115,14 +116,9 @@ def verify(bundle: str | Path, log=print) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m runtime.verify", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m runtime.verify", description=__doc__.split("\n\n")[0])
     p.add_argument("bundle", help="a hand-off folder (artifacts/NAME/handoff)")
-    args = p.parse_args(argv)
-    try:
-        return 0 if verify(args.bundle) else 1
-    except BundleError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run(lambda args: 0 if verify(args.bundle) else 1, p.parse_args(argv), status=2)
 
 
 if __name__ == "__main__":
