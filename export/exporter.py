@@ -70,7 +70,8 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
         log(f"wrote {out_dir / g['file']} ({g['bytes'] / 1e6:.1f} MB): parity vs eager max abs {g['parity']['max_abs']:.1e}"
             + (f" | {fusions}" if fusions else ""))
     shapes = ", ".join(f"{s['name']}{s['shape']}" for s in graphs[0]["inputs"])
-    log(f"wrote {out_dir / 'manifest.json'}: prefill inputs {shapes}; sequence parity (prefill + 16 decode steps) "
+    log(f"wrote {out_dir / 'manifest.json'}: prefill inputs {shapes}; sequence parity "
+        f"(prefill {sequence[targets[0]]['prompt_len']} + {sequence[targets[0]]['decode_steps']} decode steps) "
         + ", ".join(f"{t} {sequence[t]['max_abs']:.1e}" for t in targets))
     return manifest
 
@@ -109,9 +110,10 @@ def _sequence_parity(model, config: AttentionConfig, graphs: list[dict], target:
                 for g in graphs if g["target"] == target}
     driver = HostCacheGenerator(sessions["prefill"], sessions["decode"], MASK_VALUE) if target == "npu" \
         else Generator(sessions["prefill"], sessions["decode"])
-    seq = sequence_parity(model, driver, config,
-                          prompt_len=min(config.capacity - 16, config.chunk + config.chunk // 2 + 1), decode_steps=16,
-                          seed=seed)
+    decode_steps = min(16, config.capacity // 2)  # a prompt over one chunk, then up to 16 decode steps
+    seq = sequence_parity(model, driver, config, prompt_len=min(config.capacity - decode_steps,
+                                                                config.chunk + config.chunk // 2 + 1),
+                          decode_steps=decode_steps, seed=seed)
     if not within(seq, config.dtype):
         raise ParityError(f"{target}: sequence parity max error {seq} against the eager full-sequence forward")
     return seq

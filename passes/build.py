@@ -6,17 +6,17 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-_ids = itertools.count()
-
 
 class Builder:
     """Inserts new nodes before `anchor`, so they run before the node they feed."""
 
     def __init__(self, model: ir.Model, anchor: ir.Node, prefix: str):
         self.graph, self.anchor, self.prefix = model.graph, anchor, prefix
+        # Numbered per model, so the same graph through the same passes gets the same names.
+        self._ids = model.meta.setdefault("builder_ids", itertools.count())
 
     def _name(self, what: str) -> str:
-        return f"{self.prefix}/{what}_{next(_ids)}"
+        return f"{self.prefix}/{what}_{next(self._ids)}"
 
     def const(self, array, what: str = "const") -> ir.Value:
         array = np.asarray(array)
