@@ -21,7 +21,7 @@ from runtime.generate import Generator, HostCacheGenerator
 from runtime.parity import TOLERANCE, sequence_parity, step_parity, within, worst
 from runtime.session import StepSession
 
-from .atomic import publish, staging, write_json
+from .atomic import staged_dir, write_json
 from .manifest import build_manifest
 from passes.static_shapes import check_static
 from .torch_export import DEFAULT_OPSET, to_onnx
@@ -50,20 +50,17 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
                  name: str | None = None, targets: tuple[str, ...] = TARGETS, log=print) -> dict:
     out_dir = Path(out_dir)
     model = build_model(config, kind, seed, weights, layer)
-    graphs, files, sequence = [], [], {}
-    with staging(out_dir) as tmp:
+    graphs, sequence = [], {}
+    with staged_dir(out_dir) as tmp:
         for step in STEPS:
             exported = to_onnx(model, config, step_len(config, step), opset)
             for target in targets:
-                entry = _build_graph(model, config, exported, step, target, tmp, seed)
-                files += [entry["file"]] + ([entry["external_data"]] if entry["external_data"] else [])
-                graphs.append(entry)
+                graphs.append(_build_graph(model, config, exported, step, target, tmp, seed))
         for target in targets:
             sequence[target] = _sequence_parity(model, config, graphs, target, tmp, seed)
         manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, sequence,
                                   {"source": weights or f"random(seed={seed})", "layer": layer, "checksum": checksum(model)})
         write_json(tmp / "manifest.json", manifest)
-        publish(tmp, out_dir, files + ["manifest.json"])
     for g in graphs:
         fusions = "; ".join(f"{p['pass']}: " + ", ".join(f"{v} {k}" for k, v in p["stats"].items())
                             for p in g["passes"] if p["pass"] not in ("cleanup", "upgrade_opset"))

@@ -9,10 +9,7 @@ the receiving engineer. `python -m runtime.verify BUNDLE` re-checks it from the 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +23,7 @@ from runtime.cli import Parser, run
 from runtime.parity import TOLERANCE, reference_model
 from runtime.verify import available_runtimes, verify_graph
 
+from .atomic import staged_dir
 from .exporter import export_model
 
 VARIANTS = (("fp32", ("onnx", "npu")), ("fp16", ("npu",)))
@@ -68,9 +66,7 @@ def save_golden(path: Path, steps: list) -> None:
 
 def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, log=print) -> dict:
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".handoff-", dir=out.parent))
-    try:
+    with staged_dir(out) as tmp:
         graphs = []
         for kind in kinds:
             for dtype, targets in VARIANTS:
@@ -94,23 +90,9 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
         (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         (tmp / "README.md").write_text(readme(config, runtimes))
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"wrote {out}: {len(graphs)} graphs; accepted by " +
         "; ".join(f"{rt}: {', '.join(t for t, ok in r.items() if ok) or 'none'}" for rt, r in runtimes.items()))
     return manifest
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Swap the finished bundle into place; the old one, if any, is removed only after."""
-    old = out.with_name(f".{out.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(new, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 CONTRACT = {

@@ -99,3 +99,25 @@ def test_cli_errors_are_one_line(args, message, tmp_path):
     assert res.returncode == 1
     assert res.stderr.strip() == res.stderr.strip().splitlines()[0] and res.stderr.startswith(message), res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_killed_export_leaves_the_old_folder_whole(tmp_path):
+    """SIGKILL mid-export: the previous export stays as it was; the orphaned staging folder goes next time."""
+    import hashlib
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    export_model(preset("tiny"), out, log=lambda *_: None)
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()}
+    proc = subprocess.Popen([sys.executable, "-m", "export", "--preset", "tiny", "--seed", "7", "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".out.staging-*/*")) and time.time() < deadline:  # mid-write: files are being staged
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.iterdir()} == before
+    assert list(tmp_path.glob(".out.staging-*"))  # what the kill left behind, hidden
+    export_model(preset("tiny"), out, log=lambda *_: None)
+    assert not list(tmp_path.glob(".out.*"))
