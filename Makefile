@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: setup export handoff test bench bench-quick fusion-table clean
+.PHONY: setup export handoff test fuzz bench bench-quick fusion-table clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,9 @@ handoff: setup
 
 test: setup
 	$(PY) -m pytest $(ARGS)
+
+fuzz: setup
+	FUZZ_CASES=2000 $(PY) -m pytest tests/test_fuzz.py -s
 
 bench: setup
 	$(PY) -m benchmarks

@@ -164,7 +164,7 @@ def evaluate(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], f
     sub_model = ir.Model(sub, ir_version=model.ir_version)
     proto = ir.serde.serialize_model(sub_model)
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # failures surface as exceptions, not log lines
     session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return session.run(None, {v.name: f for v, f in zip(sub.inputs, feeds)})
 

@@ -18,6 +18,7 @@ The NPU step (what QNN, OpenVINO NPU and Vitis AI compile):
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from .analysis import attr, const, static_shape
@@ -27,6 +28,19 @@ from .causal import cache_writes, check_cache_writes
 
 MASK_VALUE = -30000.0
 OPSET = 17
+
+
+# Reductions whose axes were an attribute up to opset 17 (an input from 18 on).
+AXES_ATTRIBUTE_BEFORE_18 = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+                            "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"}
+
+
+def _axes_to_attribute(node: ir.Node) -> None:
+    axes = const(node.inputs[1])
+    if axes is None:
+        raise NotFused(f"{node.name}: {node.op_type} over axes computed at run time has no opset-{OPSET} form")
+    node.attributes["axes"] = ir.AttrInt64s("axes", [int(a) for a in axes.reshape(-1)])
+    node.resize_inputs(1)
 
 
 class LowerNPU(GraphPass):
@@ -58,7 +72,13 @@ class LowerNPU(GraphPass):
         if old.uses():
             raise NotFused(f"position_ids is still used by {[u.op_type for u, _ in old.uses()]} after lowering")
         graph.inputs.remove(old)
+        for node in [n for n in graph if n.op_type in AXES_ATTRIBUTE_BEFORE_18 and len(n.inputs) > 1]:
+            _axes_to_attribute(node)
         model.opset_imports[""] = OPSET
+        try:
+            onnx.checker.check_model(ir.serde.serialize_model(model))
+        except onnx.checker.ValidationError as e:
+            raise NotFused(f"the lowered graph is not valid at opset {OPSET}: {str(e).splitlines()[0]}") from None
         return True
 
     def _attention(self, model, node, old_pos, mask_input):

@@ -37,7 +37,7 @@ def random_feeds(session: ort.InferenceSession, seed: int = 0) -> dict:
 
 def _session(model_bytes_or_path) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # failures surface as exceptions, not log lines
     try:
         return ort.InferenceSession(model_bytes_or_path, options, providers=["CPUExecutionProvider"])
     except Exception as e:
