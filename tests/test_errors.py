@@ -121,3 +121,16 @@ def test_killed_export_leaves_the_old_folder_whole(tmp_path):
     assert list(tmp_path.glob(".out.staging-*"))  # what the kill left behind, hidden
     export_model(preset("tiny"), out, log=lambda *_: None)
     assert not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["export", "--preset", "nope"], "error: argument --preset: invalid choice: 'nope'"),
+    (["export", "--heads", "two"], "error: argument --heads: invalid int value: 'two'"),
+    (["passes", "a.onnx", "b.onnx", "--target", "tpu"], "error: argument --target: invalid choice: 'tpu'"),
+    (["passes.lint", "a.onnx", "--profile", "qnn"], "error: argument --profile: invalid choice: 'qnn'"),
+    (["runtime.verify"], "error: the following arguments are required: bundle"),
+    (["export.handoff", "--kinds", "mlp"], "error: argument --kinds: invalid choice: 'mlp'"),
+])
+def test_usage_errors_are_one_line(argv, message):
+    res = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.startswith(message) and res.stderr.count("\n") == 1, res.stderr

@@ -1,7 +1,7 @@
 """Fuzzing the passes: mutated real graphs never hang or escape as a traceback, and whatever
 `python -m passes` writes is a valid model that computes what its input computed.
 
-FUZZ_CASES sets the number of cases (CI: 200; `make fuzz`: 2000).
+FUZZ_CASES sets the number of cases (CI: 300; `make fuzz`: 2000).
 """
 import os
 import signal
@@ -14,7 +14,7 @@ from passes.__main__ import main
 from passes.model_io import check
 from passes.verify import VerifyError, compare
 
-CASES = int(os.environ.get("FUZZ_CASES", "200"))
+CASES = int(os.environ.get("FUZZ_CASES", "300"))
 TARGETS = ("raw", "onnx", "ort", "npu")
 
 
