@@ -13,13 +13,13 @@ import torch
 
 from models import AttentionConfig, build_model
 from models.contract import example_inputs
+from runtime.artifacts import open_step
 from runtime.generate import Generator
 from runtime.session import StepSession
 
 from .workloads import Workload
 
 ENGINES = ("torch-eager", "torch-sdpa", "torch-compile", "ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort")
-IN_PLACE = {"onnx", "ort"}
 
 
 class Unavailable(RuntimeError):
@@ -61,9 +61,15 @@ class Engine:
         return self._models[kind]
 
     def _generator(self, kind: str, target: str) -> Generator:
+        """The export's graphs open as the manifest describes them (in-place cache or not); the
+        optimize_for_ort graphs, which are not in it, keep ScatterElements and so a copied cache."""
         if (kind, target) not in self._generators:
-            sessions = [StepSession(self.folders[kind] / f"{step}.{target}.onnx", provider="cpu", threads=self.threads,
-                                    cache_in_place=target in IN_PLACE, profile=self.profile) for step in ("prefill", "decode")]
+            options = {"provider": "cpu", "threads": self.threads, "profile": self.profile}
+            if target == "onnxscript":
+                sessions = [StepSession(self.folders[kind] / f"{step}.onnxscript.onnx", **options)
+                            for step in ("prefill", "decode")]
+            else:
+                sessions = [open_step(self.folders[kind], step, target, **options) for step in ("prefill", "decode")]
             self._generators[kind, target] = Generator(*sessions)
         return self._generators[kind, target]
 
