@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
+from runtime.metrics import close, error
+
 TOLERANCE = {np.dtype("float32"): 1e-4, np.dtype("float16"): 1e-2, np.dtype("float64"): 1e-9}
 _NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
           "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
@@ -58,9 +60,6 @@ def compare(before, after, seed: int = 0) -> dict:
     for name, r, g in zip(names, ref, got):
         if name.startswith("present") and last is not None and r.ndim >= 3:
             r, g = r[:, :, : last + 1], g[:, :, : last + 1]
-        diff = float(np.abs(r.astype(np.float64) - g.astype(np.float64)).max()) if r.size else 0.0
-        scale = float(np.abs(r.astype(np.float64)).max()) if r.size else 0.0
-        tol = TOLERANCE.get(r.dtype, 0.0)
-        results[name] = {"max_abs": diff, "max_rel": diff / scale if scale else diff, "tolerance": tol,
-                         "ok": bool(diff <= tol or (scale and diff / scale <= tol) or np.array_equal(r, g))}
+        err, tol = error(g, r), TOLERANCE.get(r.dtype, 0.0)
+        results[name] = {**err, "tolerance": tol, "ok": close(err, tol) or bool(np.array_equal(r, g))}
     return results

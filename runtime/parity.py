@@ -14,26 +14,11 @@ from models import AttentionConfig
 from models.contract import INPUTS, example_inputs
 
 from .generate import Driver, HostCacheGenerator
+from .metrics import TOLERANCE, close, error, worst
 from .session import StepSession
 
-TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
-
-
-def error(actual: np.ndarray, expected: np.ndarray) -> dict:
-    """max |a - e|, and the same relative to max |e| (a normwise relative error)."""
-    diff = float(np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max())
-    scale = float(np.abs(expected.astype(np.float64)).max())
-    return {"max_abs": diff, "max_rel": diff / scale if scale else diff}
-
-
-def worst(errors: list[dict]) -> dict:
-    return {k: max(e[k] for e in errors) for k in ("max_abs", "max_rel")}
-
-
 def within(err: dict, dtype: str) -> bool:
-    """DESIGN.md: within tolerance in absolute or relative terms; NaN never passes."""
-    tol = TOLERANCE[dtype]
-    return bool(err["max_abs"] <= tol or err["max_rel"] <= tol)
+    return close(err, TOLERANCE[dtype])
 
 
 def reference_model(model: torch.nn.Module) -> torch.nn.Module:
