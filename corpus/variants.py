@@ -1,9 +1,11 @@
 """Attention written the other common ways: the forms the fusion passes must recognise.
 
-One module, `VariantAttention`, whose every step that people write differently is a
-switch: how K is transposed, where the 1/sqrt(D) goes, how the mask is made, how the
-softmax keeps fp32, how K/V heads are repeated for GQA, how the cache is written, or
-SDPA (exported as an opset-23 Attention) with the repeat in front of it.
+`VariantAttention` is the decoder step whose every part that people write differently is
+a switch: how K is transposed, where the 1/sqrt(D) goes, how the mask is made, how the
+softmax keeps fp32, how GQA is computed (K/V heads repeated, or query heads grouped
+against the un-repeated K/V), whether the products are einsums, soft-capping, how the
+cache is written, or SDPA (exported as an opset-23 Attention) with the repeat in front of it.
+`EncoderAttention` is bidirectional self-attention over a key-padding mask, BERT's way.
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ class Variant:
     repeat: str = "repeat_kv"   # repeat_kv | repeat_interleave | expand_flatten | tile (h0,h1,h0,h1: not GQA's order)
     write: str = "scatter"      # scatter | index_copy | index_put | offset_put (cache[..., p0 + arange] = k) | none
     sdpa: bool = False          # F.scaled_dot_product_attention after the repeat (opset-23 Attention)
+    group: str = "repeat"       # repeat (K/V repeated as `repeat` says) | fold (Q as [B, Hkv, rep*T, D], mask
+                                # repeated alike) | grouped (Q as [B, Hkv, rep, T, D] against K/V broadcast)
+    einsum: bool = False        # scores and weights @ V written with torch.einsum
+    softcap: float = 0.0        # Gemma-2 logit soft-capping, cap * tanh(s / cap), before the mask
 
     @property
     def cached(self) -> bool:
@@ -61,7 +67,7 @@ class VariantAttention(nn.Module):
             visible = torch.arange(k.shape[2])[None, None, None, :] <= position_ids[:, None, :, None]
         else:
             visible = ~torch.ones(t, t, dtype=torch.bool).triu(1)
-        out = self._attend(q, self._repeat(k), self._repeat(v), visible)
+        out = self._attend(q, k, v, visible)
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         return (out, k, v) if self.v.cached else out
 
@@ -88,18 +94,28 @@ class VariantAttention(nn.Module):
         return x[:, :, None].expand(b, h, n, s, d).flatten(1, 2)
 
     def _attend(self, q, k, v, visible):
+        """q [B, H, T, D], k/v [B, Hkv, S, D] -> [B, H, T, D]."""
+        b, h, t, d = q.shape
+        if self.v.group == "repeat":
+            k, v = self._repeat(k), self._repeat(v)
         if self.v.sdpa:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-        s = 1.0 / math.sqrt(q.shape[-1])
+        s = 1.0 / math.sqrt(d)
         q = q * s if self.v.scale == "q" else q
         k = k * s if self.v.scale == "k" else k
-        kt = {"transpose": lambda: k.transpose(-2, -1), "permute": lambda: k.permute(0, 1, 3, 2),
-              "mT": lambda: k.mT}[self.v.scores]()
-        scores = q @ kt
+        visible = visible.reshape((1,) * (4 - visible.dim()) + visible.shape)
+        n, g = h // k.shape[1], k.shape[1]
+        if self.v.group == "fold":  # query heads of a group stacked as rows: [B, Hkv, rep*T, D], mask alike
+            q, visible = q.reshape(b, g, n * t, d), visible.repeat(1, 1, n, 1)
+        elif self.v.group == "grouped":  # [B, Hkv, rep, T, D] against K/V broadcast over rep
+            q, visible = q.reshape(b, g, n, t, d), visible[:, :, None]
+        scores = self._scores(q, k)
         if self.v.scale == "div":
-            scores = scores / math.sqrt(q.shape[-1])
+            scores = scores / math.sqrt(d)
         elif self.v.scale == "mul":
             scores = scores * s
+        if self.v.softcap:
+            scores = torch.tanh(scores / self.v.softcap) * self.v.softcap
         if self.v.mask == "masked_fill":
             scores = scores.masked_fill(~visible, float("-inf"))
         elif self.v.mask == "finfo":
@@ -114,4 +130,47 @@ class VariantAttention(nn.Module):
             p = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         else:
             p = F.softmax(scores, dim=-1)
-        return p @ v
+        return self._weigh(p, v).reshape(b, h, t, d)
+
+    def _scores(self, q, k):
+        if self.v.einsum:
+            return torch.einsum("bgrtd,bgsd->bgrts" if q.dim() == 5 else "bhtd,bhsd->bhts", q, k)
+        k = k[:, :, None] if q.dim() == 5 else k
+        last = k.dim() - 1
+        kt = {"transpose": lambda: k.transpose(-2, -1), "permute": lambda: k.permute(*range(last - 1), last, last - 1),
+              "mT": lambda: k.mT}[self.v.scores]()
+        return q @ kt
+
+    def _weigh(self, p, v):
+        if self.v.einsum:
+            return torch.einsum("bgrts,bgsd->bgrtd" if p.dim() == 5 else "bhts,bhsd->bhtd", p, v)
+        return p @ (v[:, :, None] if p.dim() == 5 else v)
+
+
+class EncoderAttention(nn.Module):
+    """Bidirectional self-attention (no RoPE, no cache) over a key-padding mask `keep` [B, S] (1 = a real token),
+    masked the way encoders write it: additive (1 - keep) * -10000 (BERT), or a boolean masked_fill; optionally
+    causal too (a decoder prefill over a padded batch)."""
+
+    def __init__(self, config: AttentionConfig, padding: str = "additive", causal: bool = False):
+        super().__init__()
+        self.c, self.padding, self.causal = config, padding, causal
+        e, h, hkv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj, self.k_proj = nn.Linear(e, h * d, bias=True), nn.Linear(e, hkv * d, bias=True)
+        self.v_proj, self.o_proj = nn.Linear(e, hkv * d, bias=True), nn.Linear(h * d, e, bias=True)
+
+    def forward(self, x, keep):
+        b, t, _ = x.shape
+        h, hkv, d = self.c.num_heads, self.c.num_kv_heads, self.c.head_dim
+        q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)
+        k = repeat_kv(self.k_proj(x).view(b, t, hkv, d), h // hkv).transpose(1, 2)
+        v = repeat_kv(self.v_proj(x).view(b, t, hkv, d), h // hkv).transpose(1, 2)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+        if self.padding == "additive":
+            scores = scores + (1.0 - keep[:, None, None, :]) * -10000.0
+        else:
+            scores = scores.masked_fill(keep[:, None, None, :] == 0, float("-inf"))
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        p = F.softmax(scores, dim=-1)
+        return self.o_proj((p @ v).transpose(1, 2).reshape(b, t, h * d))

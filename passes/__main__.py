@@ -1,4 +1,4 @@
-"""python -m passes IN.onnx OUT.onnx --target {raw,onnx,ort}: rewrite one ONNX file for a target."""
+"""python -m passes IN.onnx OUT.onnx --target {raw,onnx,ort,npu}: rewrite one ONNX file for a target."""
 from __future__ import annotations
 
 import argparse
@@ -10,10 +10,18 @@ import onnx_ir as ir
 
 from runtime.cli import Parser, run
 
+from .fix_dims import FixDimsError, check_pins, parse_pins
 from .leftovers import FUSED_OPS, unfused_attention
-from .model_io import load, save_atomic
+from .model_io import check_writable, load, save_atomic
 from .pipeline import TARGETS, run_pipeline
-from .verify import compare
+from .verify import compare, run_check
+
+
+def _pins(text: str) -> dict[str, int]:
+    try:
+        return parse_pins(text)
+    except FixDimsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -22,16 +30,21 @@ def parser() -> argparse.ArgumentParser:
         description="Run a target's pass pipeline on an ONNX file: raw (cleanup only), onnx (standard opset-24 "
                     "Attention, TensorScatter, RMSNormalization), ort (onnxruntime GroupQueryAttention, "
                     "SimplifiedLayerNormalization), npu (opset-17 static primitives, host-owned cache and mask). "
-                    "Prints one statistics line per pass. The input is never "
-                    "modified; the output is written atomically, and not at all when a check below fails.")
+                    "Prints one statistics line per pass. The input is never modified; the output is written "
+                    "atomically, only once it loads and runs in onnxruntime, and not at all when a check below fails.")
     p.add_argument("input", help="ONNX file to rewrite")
     p.add_argument("output", help="where to write the rewritten graph")
     p.add_argument("--target", required=True, choices=TARGETS, help="what the attention becomes")
+    p.add_argument("--fix-dims", type=_pins, default={}, metavar="NAME=VALUE,...",
+                   help="pin symbolic dims by name (e.g. batch_size=1,sequence_length=128); names that say batch, "
+                        "sequence, past or total length get defaults (1, 128, 128, past + sequence), reported")
     p.add_argument("--report", metavar="FILE.json", help="write per-pass statistics, matches and non-matches (with why)")
     p.add_argument("--require-fusion", action="store_true",
                    help="fail when an attention-shaped subgraph (Softmax between two MatMuls) or a K/V repeat is left")
     p.add_argument("--verify", action="store_true",
                    help="run the graph before and after in onnxruntime on random feeds; fail past tolerance")
+    p.add_argument("--no-run-check", action="store_true",
+                   help="write the graph without first checking that it loads and runs in onnxruntime (huge graphs)")
     p.add_argument("--dump-dir", metavar="DIR", help="save the graph after every pass into DIR (NN-pass.onnx)")
     return p
 
@@ -45,23 +58,32 @@ def rewrite(args) -> int:
         raise ValueError("--verify runs the graph before and after on the same feeds, but the npu target changes the "
                          "step's inputs and outputs; expected --target raw/onnx/ort (make export checks npu graphs "
                          "against eager PyTorch through the host-cache driver)")
+    check_writable(args.output)
+    if args.report:
+        check_writable(args.report, "report")
     model = load(args.input)
-    report = run_pipeline(model, args.target, dump_dir=args.dump_dir, log=print)
+    check_pins(model, args.fix_dims)
+    report = run_pipeline(model, args.target, dump_dir=args.dump_dir, log=print, fix_dims=args.fix_dims)
     report.update(input=str(args.input), output=str(args.output))
     failures = []
-    lowered = sum(p["stats"].get("attention", 0) for p in report["passes"] if p["pass"] == "lower_npu")
-    report["unfused"] = [] if args.target == "npu" else unfused_attention(model, report["passes"])
-    report["fused_ops"] = lowered or sum((n.domain, n.op_type) in FUSED_OPS for n in model.graph)
+    report["unfused"] = _unfused(model, report["passes"], args.target)
+    report["fused_ops"] = sum((n.domain, n.op_type) in FUSED_OPS for n in model.graph) if args.target != "npu" \
+        else _lowered(report["passes"])
     for left in report["unfused"]:
         print(f"unfused: {left['op']} {left['node']}: {left['reason']}")
+    for kept in (n for p in report["passes"] if p["pass"] == "lower_gqa" for n in p["not_matched"]):
+        print(f"not lowered: {kept['op']} {kept['node']} stays a standard Attention: {kept['reason']}")
     if not report["fused_ops"] and not report["unfused"]:
         print("nothing to fuse: no attention (Softmax between two MatMuls) in the graph")
     if args.require_fusion and report["unfused"]:
         failures.append(f"{len(report['unfused'])} attention subgraph(s) left unfused (--require-fusion)")
     elif args.require_fusion and not report["fused_ops"]:
         failures.append("no attention to fuse in the graph (--require-fusion)")
-    if args.verify:
-        results = compare(str(args.input), ir.serde.serialize_model(model).SerializeToString())
+    data = ir.serde.serialize_model(model).SerializeToString()
+    if not args.no_run_check and (broken := run_check(data, str(args.input))):
+        failures.append(broken)
+    elif args.verify:
+        results = compare(str(args.input), data)
         report["verify"] = results
         worst = max(results.values(), key=lambda r: r["max_rel"], default=None)
         print("verify: " + ", ".join(f"{k} max abs {r['max_abs']:.1e}" for k, r in results.items()))
@@ -77,6 +99,22 @@ def rewrite(args) -> int:
     print(f"wrote {args.output}")
     return 0
 
+
+def _lowered(reports: list[dict]) -> int:
+    return sum(p["stats"].get("attention", 0) for p in reports if p["pass"] == "lower_npu")
+
+
+def _unfused(model: ir.Model, reports: list[dict], target: str) -> list[dict]:
+    """What is left unfused; for npu, a graph the lowering refused is left whole, with the reason."""
+    if target != "npu":
+        return unfused_attention(model, reports)
+    if _lowered(reports):
+        return []
+    if not any((n.domain, n.op_type) in FUSED_OPS for n in model.graph) and not unfused_attention(model, reports):
+        return []  # no attention at all
+    lower = next(p for p in reports if p["pass"] == "lower_npu")
+    return [{"node": n["node"], "op": "lower_npu", "reason": f"not lowered to the npu form: {n['reason']}"}
+            for n in lower["not_matched"]]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,6 +9,8 @@ from collections import Counter
 
 import onnx_ir as ir
 
+from .build import commit, rollback, transaction
+
 
 class NotFused(Exception):
     """A candidate failed a check; the message names the check."""
@@ -18,12 +20,19 @@ class Skip(Exception):
     """Not a candidate after all (e.g. an Attention op with nothing left to fuse): counted as neither."""
 
 
+def failure(e: Exception) -> str:
+    """An unexpected exception as one line: a candidate (or pass) that crashed is reported, never raised."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"failed: {type(e).__name__}: {first}" if first else f"failed: {type(e).__name__}"
+
+
 def node_count(model: ir.Model) -> int:
     return sum(1 for _ in model.graph.all_nodes())
 
 
 class GraphPass(ir.passes.InPlacePass):
     name = "pass"
+    min_opset = 0  # the default-domain opset the ops this pass emits need
 
     def __init__(self):
         super().__init__()
@@ -34,6 +43,12 @@ class GraphPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.stats, self.notes = Counter(), []
         before = node_count(model)
+        opset = model.opset_imports.get("", 0)
+        if opset < self.min_opset:
+            self.notes.append({"node": "", "op": "", "reason": f"graph is at opset {opset}; this pass emits ops of "
+                                                                f"opset {self.min_opset} (upgrade_opset did not run)"})
+            self.nodes = (before, before)
+            return ir.passes.PassResult(model, False)
         modified = bool(self.run(model))
         self.nodes = (before, node_count(model))
         return ir.passes.PassResult(model, modified or self.nodes[0] != self.nodes[1])
@@ -54,7 +69,12 @@ class GraphPass(ir.passes.InPlacePass):
 
 
 class FusionPass(GraphPass):
-    """Tries `fuse` on every candidate node; counts `fused` and `unfused`, noting each failed check."""
+    """Tries `fuse` on every candidate node; counts `fused` and `unfused`, noting each failed check.
+
+    A candidate is a transaction: `fuse` only adds nodes (through a Builder) until its last
+    step rewires the graph, so a candidate that fails a check, or crashes, has its new nodes
+    removed and leaves the graph as it was.
+    """
     candidate_ops: tuple[str, ...] = ()
     domain = ""
 
@@ -63,14 +83,21 @@ class FusionPass(GraphPass):
         for node in [n for n in model.graph if n.op_type in self.candidate_ops and n.domain == self.domain]:
             if node.graph is None:  # removed by an earlier fusion in this run
                 continue
+            mark = transaction(model)
             try:
                 self.fuse(model, node)
+                commit(model, mark)
                 self.stats["fused"] += 1
             except Skip:
-                continue
+                rollback(model, mark)
             except NotFused as e:
+                rollback(model, mark)
                 self.stats["unfused"] += 1
                 self.note(node, str(e))
+            except Exception as e:  # a candidate can fail; the pass, and the command, cannot
+                rollback(model, mark)
+                self.stats["unfused"] += 1
+                self.note(node, failure(e))
         if self.stats["fused"]:
             ir.passes.common.RemoveUnusedNodesPass()(model)
         return self.stats["fused"] > 0

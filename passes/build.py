@@ -14,6 +14,7 @@ class Builder:
         self.graph, self.anchor, self.prefix = model.graph, anchor, prefix
         # Numbered per model, so the same graph through the same passes gets the same names.
         self._ids = model.meta.setdefault("builder_ids", itertools.count())
+        self._log = _log(model)
 
     def _name(self, what: str) -> str:
         return f"{self.prefix}/{what}_{next(self._ids)}"
@@ -23,6 +24,7 @@ class Builder:
         value = ir.Value(name=self._name(what), shape=ir.Shape(array.shape),
                          type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array))
         self.graph.register_initializer(value)
+        self._log.append(value)
         return value
 
     def op(self, op_type: str, inputs, shape, dtype: ir.DataType, domain: str = "", num_outputs: int = 1,
@@ -36,6 +38,7 @@ class Builder:
             out.name = self._name(op_type.lower())
             out.shape, out.type = ir.Shape(list(s)), ir.TensorType(d)
         self.graph.insert_before(self.anchor, node)
+        self._log.append(node)
         return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
 
     def view(self, source: ir.Value, reshape: tuple, perm: tuple) -> ir.Value:
@@ -56,3 +59,30 @@ def replace_value(old: ir.Value, new: ir.Value) -> None:
     if is_output:
         old.name = f"{name}__replaced"
         new.name = name
+
+
+def _log(model: ir.Model) -> list:
+    return model.meta.setdefault("builder_log", [])
+
+
+def transaction(model: ir.Model) -> int:
+    """A mark to roll back to: what every Builder on `model` creates from now on is logged after it."""
+    return len(_log(model))
+
+
+def commit(model: ir.Model, mark: int) -> None:
+    """The candidate since `mark` is done: forget its log."""
+    del _log(model)[mark:]
+
+
+def rollback(model: ir.Model, mark: int) -> None:
+    """Remove the nodes and initializers created since `mark`; they must not be wired into the graph yet."""
+    log = _log(model)
+    created = log[mark:]
+    del log[mark:]
+    nodes = [x for x in created if isinstance(x, ir.Node) and x.graph is not None]
+    if nodes:  # safe: refuses (ValueError) if a node is already wired in, detaches their inputs otherwise
+        model.graph.remove(nodes, safe=True)
+    for value in (x for x in created if isinstance(x, ir.Value)):
+        if not value.uses() and model.graph.initializers.get(value.name) is value:
+            del model.graph.initializers[value.name]

@@ -88,7 +88,7 @@ class LowerNPU(GraphPass):
             raise NotFused(f"{node.name}: K/V are not TensorScatter cache writes")
         (batch, heads, length, dim), (_, kv_heads, capacity, _) = static_shape(q), static_shape(k)
         mask = node.inputs[3] if len(node.inputs) > 3 else None
-        if check_cache_writes(model, writes, mask, batch, length, capacity) is not old_pos:
+        if check_cache_writes(model, writes, mask, batch, length, capacity)[0] is not old_pos:
             raise NotFused(f"{node.name}: the cache is written at another input than position_ids")
         graph, dtype, rep, total = model.graph, q.dtype, heads // kv_heads, capacity + length
         if mask_input is None:

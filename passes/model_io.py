@@ -52,11 +52,21 @@ def save(model: ir.Model, path: Path) -> str | None:
     return data
 
 
+def check_writable(path: str | Path, what: str = "output") -> None:
+    """Fail now, before any work, if `path` cannot be written as a file."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ModelFileError(f"{what} {path}: folder {path.parent} does not exist; expected an existing folder")
+    if path.is_dir():
+        raise ModelFileError(f"{what} {path}: is a folder; expected a file path")
+    if not os.access(path.parent, os.W_OK):
+        raise ModelFileError(f"{what} {path}: folder {path.parent} cannot be written; expected a writable folder")
+
+
 def save_atomic(model: ir.Model, path: str | Path) -> None:
     """Write beside `path` under a temporary name, then rename: `path` is the old file or the whole new one."""
     path = Path(path)
-    if not path.parent.is_dir():
-        raise ModelFileError(f"output {path}: folder {path.parent} does not exist; expected an existing folder")
+    check_writable(path)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=path.parent))
     except OSError as e:

@@ -1,11 +1,19 @@
-"""One pipeline per target: a list of passes you can read, run in order, each reporting what it did."""
+"""One pipeline per target: a list of passes you can read, run in order, each reporting what it did.
+
+A pass that crashes does not take the pipeline down: the graph goes back to what it was
+before that pass (a clone taken before it, which shares the weights), the report says why,
+and the next pass runs.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 import onnx_ir as ir
 
+from .base import NotFused, failure, node_count
 from .cleanup import Cleanup
+from .einsum_to_matmul import EinsumToMatMul
+from .fix_dims import FixDims
 from .fuse_attention import FuseAttention
 from .fuse_cache_write import FuseCacheWrite
 from .fuse_rmsnorm import FuseRMSNorm
@@ -19,14 +27,19 @@ from .upgrade_opset import UpgradeOpset
 OPSET = 24
 
 
-def passes_for(target: str) -> list:
+def passes_for(target: str, fix_dims: dict[str, int] | None = None) -> list:
+    """The target's passes; `fix_dims` pins symbolic dims by name (see fix_dims.py)."""
+    def front():
+        return [FixDims(fix_dims or {}), Cleanup()]
+
+    def fuse(flavour):
+        return [UpgradeOpset(OPSET), EinsumToMatMul(), FuseRMSNorm(flavour), FuseRoPE(flavour), FuseAttention(),
+                FuseCacheWrite(), Cleanup()]
+
     pipelines = {
-        "raw": lambda: [Cleanup()],
-        "onnx": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("onnx"), FuseRoPE("onnx"), FuseAttention(),
-                         FuseCacheWrite(), Cleanup()],
-        "ort": lambda: [Cleanup(), UpgradeOpset(OPSET), FuseRMSNorm("ort"), FuseRoPE("ort"), FuseAttention(),
-                        FuseCacheWrite(), Cleanup(), LowerToGQA(), Cleanup(), FoldRoPEIntoGQA(), PackMatMuls(),
-                        Cleanup()],
+        "raw": lambda: front(),
+        "onnx": lambda: front() + fuse("onnx"),
+        "ort": lambda: front() + fuse("ort") + [LowerToGQA(), Cleanup(), FoldRoPEIntoGQA(), PackMatMuls(), Cleanup()],
     }
     pipelines["npu"] = lambda: pipelines["onnx"]() + [LowerNPU(), Cleanup()]
     if target not in pipelines:
@@ -37,15 +50,29 @@ def passes_for(target: str) -> list:
 TARGETS = ("raw", "onnx", "ort", "npu")
 
 
-def run_pipeline(model: ir.Model, target: str, dump_dir: str | Path | None = None, log=None) -> dict:
+def run_pipeline(model: ir.Model, target: str, dump_dir: str | Path | None = None, log=None,
+                 fix_dims: dict[str, int] | None = None) -> dict:
     """Run the target's passes on `model` in place; return the report (one entry per pass)."""
     report = []
-    for i, p in enumerate(passes_for(target)):
-        p(model)
-        report.append(p.report())
+    for i, p in enumerate(passes_for(target, fix_dims)):
+        before = model.graph.clone()
+        try:
+            p(model)
+            entry = p.report()
+        except Exception as e:  # the pass as a whole could not run: undo it, say why, go on
+            model.graph = before
+            entry = _failed(p, model, str(e) if isinstance(e, NotFused) else failure(e))
+        report.append(entry)
         if log:
-            log(p.summary())
+            log(entry["summary"])
         if dump_dir is not None:
             Path(dump_dir).mkdir(parents=True, exist_ok=True)
             ir.save(model, Path(dump_dir) / f"{i:02d}-{p.name}.onnx")
     return {"target": target, "passes": report}
+
+
+def _failed(p, model: ir.Model, reason: str) -> dict:
+    nodes = node_count(model)
+    return {"pass": p.name, "summary": f"{p.name}: not applied, {reason} ({nodes} -> {nodes} nodes)",
+            "nodes_before": nodes, "nodes_after": nodes, "stats": {"not_applied": 1},
+            "not_matched": [{"node": "", "op": "", "reason": reason}]}

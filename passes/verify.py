@@ -1,16 +1,24 @@
-"""--verify: the graph before and after the passes, run in onnxruntime on the same random feeds.
+"""Running rewritten graphs in onnxruntime: the run check every written graph passes, and --verify.
 
-Feeds respect each input's static shape and dtype; integer inputs get consecutive
-positions 0..T-1 per row (what every index-like input in a step graph expects). Outputs
-named present_* are compared on the rows up to the last position written, since the step
-contract leaves later rows unspecified (fused cache writes need not keep them).
+The run check: a graph is written only once it loads and runs on random feeds. --verify:
+the graph before and after the passes, run on the same random feeds, outputs compared.
+
+Feeds respect each input's shape and dtype (a symbolic dim gets a small sample value, the
+same for every dim of that name); integer inputs get consecutive positions 0..T-1 per row
+(what every index-like input in a step graph expects). Outputs named present_* are
+compared on the rows up to the last position written, since the step contract leaves later
+rows unspecified (fused cache writes need not keep them).
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import onnxruntime as ort
 
 from runtime.metrics import close, error
+
+from .fix_dims import dim_value
 
 TOLERANCE = {np.dtype("float32"): 1e-4, np.dtype("float16"): 1e-2, np.dtype("float64"): 1e-9}
 _NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -21,13 +29,21 @@ class VerifyError(ValueError):
     """The graph cannot be run to verify it."""
 
 
+SAMPLE_DIM = 2
+
+
+def _sample_shape(shape) -> list[int]:
+    names = {n: SAMPLE_DIM for d in shape if isinstance(d, str) for n in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", d)}
+    return [d if isinstance(d, int) else (dim_value(d, names) or SAMPLE_DIM) if isinstance(d, str) else 1 for d in shape]
+
+
 def random_feeds(session: ort.InferenceSession, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     feeds = {}
     for arg in session.get_inputs():
-        if any(not isinstance(d, int) for d in arg.shape) or arg.type not in _NUMPY:
-            raise VerifyError(f"input {arg.name}: {arg.type} {arg.shape}; expected a static tensor input to make feeds for")
-        dtype, shape = _NUMPY[arg.type], arg.shape
+        if arg.type not in _NUMPY:
+            raise VerifyError(f"input {arg.name}: {arg.type}; expected a tensor input to make feeds for")
+        dtype, shape = _NUMPY[arg.type], _sample_shape(arg.shape)
         if np.issubdtype(dtype, np.integer):
             feeds[arg.name] = np.broadcast_to(np.arange(shape[-1] if shape else 1, dtype=dtype), shape).copy()
         elif dtype == np.bool_:
@@ -46,10 +62,32 @@ def _session(model_bytes_or_path) -> ort.InferenceSession:
         raise VerifyError(f"onnxruntime cannot load the graph: {str(e).strip().splitlines()[0][:200]}") from None
 
 
+def run_check(after, before) -> str | None:
+    """None if `after` (a path or serialized model) loads and runs on random feeds, else why not (and
+    whether `before` runs on such feeds)."""
+    try:
+        session = _session(after)
+        session.run(None, random_feeds(session))
+        return None
+    except Exception as e:
+        why = _first_line(e)
+    try:
+        session = _session(before)
+        session.run(None, random_feeds(session))
+        return f"the rewritten graph does not run in onnxruntime ({why}), though its input does: a bug in the passes"
+    except Exception as e:
+        return f"the rewritten graph does not run in onnxruntime ({why}); its input does not run either ({_first_line(e)})"
+
+
+def _first_line(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:240]
+
+
 def compare(before, after, seed: int = 0) -> dict:
     """Max error per output of `after` against `before` (paths or serialized models)."""
     s0, s1 = _session(before), _session(after)
-    feeds = random_feeds(s0, seed)
+    feeds = random_feeds(s1, seed)  # the rewritten graph's shapes: its dims may have been pinned
     names = [o.name for o in s0.get_outputs()]
     try:
         ref, got = s0.run(names, feeds), s1.run(names, feeds)

@@ -29,9 +29,9 @@ def test_ort_target_with_every_check(raw, tmp_path, capsys):
     assert any(line.startswith("lower_gqa: 1 fused, 0 unfused") for line in lines)
     assert lines[-2].startswith("verify: output max abs") and lines[-1] == f"wrote {out}"
     r = json.loads(report.read_text())
-    assert [p["pass"] for p in r["passes"]] == ["cleanup", "upgrade_opset", "fuse_rmsnorm", "fuse_rope", "fuse_attention",
-                                                "fuse_cache_write", "cleanup", "lower_gqa", "cleanup", "fold_rope_gqa",
-                                                "pack_matmuls", "cleanup"]
+    assert [p["pass"] for p in r["passes"]] == ["fix_dims", "cleanup", "upgrade_opset", "einsum_to_matmul", "fuse_rmsnorm",
+                                                "fuse_rope", "fuse_attention", "fuse_cache_write", "cleanup", "lower_gqa",
+                                                "cleanup", "fold_rope_gqa", "pack_matmuls", "cleanup"]
     assert r["unfused"] == [] and r["fused_ops"] == 1 and all(v["ok"] for v in r["verify"].values())
     ops = {n.op_type: n for n in onnx.load(str(out)).graph.node}
     assert set(ops) >= {"GroupQueryAttention", "SimplifiedLayerNormalization", "Split"} and "RotaryEmbedding" not in ops
@@ -68,8 +68,9 @@ def test_no_attention_is_nothing_to_fuse(tmp_path, capsys):
 def test_dump_after_every_pass(raw, tmp_path):
     assert main([str(raw), str(tmp_path / "o.onnx"), "--target", "onnx", "--dump-dir", str(tmp_path / "dump")]) == 0
     assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == [
-        "00-cleanup.onnx", "01-upgrade_opset.onnx", "02-fuse_rmsnorm.onnx", "03-fuse_rope.onnx",
-        "04-fuse_attention.onnx", "05-fuse_cache_write.onnx", "06-cleanup.onnx"]
+        "00-fix_dims.onnx", "01-cleanup.onnx", "02-upgrade_opset.onnx", "03-einsum_to_matmul.onnx",
+        "04-fuse_rmsnorm.onnx", "05-fuse_rope.onnx", "06-fuse_attention.onnx", "07-fuse_cache_write.onnx",
+        "08-cleanup.onnx"]
 
 
 @pytest.mark.parametrize("content, message", [
