@@ -14,7 +14,7 @@ import torch
 from models import AttentionConfig, build_model
 from models.contract import example_inputs
 from runtime.artifacts import open_step
-from runtime.generate import Generator
+from runtime.drivers import Generator
 from runtime.session import StepSession
 
 from .workloads import Workload

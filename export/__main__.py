@@ -37,11 +37,14 @@ def parser() -> argparse.ArgumentParser:
                     "manifest.json. Each graph is checked (onnx.checker, static shapes, parity against "
                     "eager PyTorch in onnxruntime) before anything is written.")
     p.add_argument("--preset", default="minimind", choices=sorted(PRESETS), help="named config to start from [minimind]")
-    p.add_argument("--kind", default="attention", choices=sorted(KINDS),
-                   help="attention: the attention block; block: the MiniMind decoder block (norm, attention, SwiGLU) [attention]")
-    p.add_argument("--out", help="output folder [artifacts/PRESET, or artifacts/PRESET-block for --kind block]")
+    p.add_argument("--kind", default="attention", choices=list(KINDS),
+                   help="attention: the attention block; block: the MiniMind decoder block (norm, attention, SwiGLU); "
+                        "lm: the whole causal language model (embedding, L blocks, norm, tied lm_head) [attention]")
+    p.add_argument("--out", help="output folder [artifacts/PRESET, or artifacts/PRESET-KIND for --kind block/lm]")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and the parity inputs [0]")
-    p.add_argument("--weights", metavar="PATH", help="a MiniMind state dict (.pt/.pth) to load instead of random weights")
+    p.add_argument("--weights", metavar="PATH", help="a MiniMind state dict (.pt/.pth) to load instead of random "
+                   "weights; for --kind lm also a Hugging Face folder of a MiniMind or Qwen3ForCausalLM model "
+                   "(config.json + safetensors), whose config.json gives the dims")
     p.add_argument("--layer", type=int, metavar="N", help="with a full MiniMind checkpoint: which model.layers.N to take")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset of the exported graphs [{DEFAULT_OPSET}]")
     _config_flags(p)
@@ -55,7 +58,7 @@ def main(argv=None) -> int:
 def _export(args) -> int:
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(AttentionConfig) if getattr(args, f.name) is not None}
     config = preset(args.preset, **overrides)
-    out = args.out or f"artifacts/{args.preset}" + ("-block" if args.kind == "block" else "")
+    out = args.out or f"artifacts/{args.preset}" + (f"-{args.kind}" if args.kind != "attention" else "")
     export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset)
     return 0
 

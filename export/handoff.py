@@ -4,7 +4,10 @@ For the attention block and the decoder block: the `npu` graphs in fp32 and fp16
 `onnx` graphs in fp32 (each with the export's own manifest), golden vectors (inputs and
 eager-PyTorch outputs for a prefill chunk and 8 decode steps), the lint report, which
 runtimes accept which target (measured by running the golden vectors), and a README for
-the receiving engineer. `python -m runtime.verify BUNDLE` re-checks it from the bundle alone.
+the receiving engineer. The whole model (`lm`) adds its `npu` graphs in fp32 and fp16, with
+goldens for a prompt chunk and 8 decode steps on eager PyTorch's greedy tokens (stored with
+them); its goldens hold only the cache rows written before a graph's first step: the verifier
+keeps the L caches as a host would, writing each step's reference rows. `python -m runtime.verify BUNDLE` re-checks it from the bundle alone.
 """
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import numpy as np
 import torch
 
 from models import AttentionConfig, build_model, preset
+from models.contract import cache_names, input_names, output_names
 from passes.lint import lint
 from passes.lower_npu import MASK_VALUE
-from runtime.generate import host_mask
+from runtime.drivers import host_mask
 from runtime.cli import Parser, run
 from runtime.parity import TOLERANCE, reference_model
 from runtime.verify import available_runtimes, verify_graph
@@ -26,33 +30,48 @@ from runtime.verify import available_runtimes, verify_graph
 from .atomic import staged_dir
 from .exporter import export_model
 
-VARIANTS = (("fp32", ("onnx", "npu")), ("fp16", ("npu",)))
-KINDS = ("attention", "block")
+VARIANTS = {"attention": (("fp32", ("onnx", "npu")), ("fp16", ("npu",))),
+            "block": (("fp32", ("onnx", "npu")), ("fp16", ("npu",))),
+            "lm": (("fp32", ("npu",)), ("fp16", ("npu",)))}
+KINDS = tuple(VARIANTS)
 DECODE_STEPS = 8
 
 
-def golden(model, config: AttentionConfig, target: str, seed: int = 0) -> dict[str, list]:
-    """Per step graph: [(inputs, eager outputs, rows written)] for a prefill chunk at 0, then decode steps."""
+def golden(model, config: AttentionConfig, target: str, kind: str = "attention", seed: int = 0) -> dict[str, list]:
+    """Per step graph: [(inputs, eager outputs, rows written)] for a prefill chunk at 0, then decode steps (the
+    lm's on its own greedy tokens, stored as `greedy`; its npu goldens leave the caches to the verifier)."""
     reference, np_dtype = reference_model(model), "float16" if config.dtype == "fp16" else "float32"
-    t, b = config.chunk, config.batch
-    x = torch.randn(b, t + DECODE_STEPS, config.hidden_size, generator=torch.Generator().manual_seed(seed))
-    x = x.to(config.torch_dtype).float()  # what the graph sees, in fp32 for the reference
-    cache = [torch.zeros(b, config.num_kv_heads, config.capacity, config.head_dim) for _ in range(2)]
+    t, b, lm = config.chunk, config.batch, kind == "lm"
+    gen = torch.Generator().manual_seed(seed)
+    if lm:
+        x = torch.randint(0, config.vocab_size, (b, t), generator=gen)
+    else:
+        x = torch.randn(b, t + DECODE_STEPS, config.hidden_size, generator=gen).to(config.torch_dtype).float()
+    names, outs = input_names(config, kind), output_names(config, kind)
+    cache = [torch.zeros(b, config.num_kv_heads, config.capacity, config.head_dim) for _ in names[2:]]
     steps = {"prefill": [], "decode": []}
     for step, p0, n in [("prefill", 0, t)] + [("decode", t + i, 1) for i in range(DECODE_STEPS)]:
         pos = (p0 + torch.arange(n)).expand(b, n)
+        inp = x if lm else x[:, p0:p0 + n]
         with torch.no_grad():
-            out, k, v = reference(x[:, p0:p0 + n], pos, *cache)
-        feeds = {"hidden_states": x[:, p0:p0 + n].numpy().astype(np_dtype),
+            out, *presents = reference(inp, pos, *cache)
+        feeds = {names[0]: inp.numpy().astype("int32" if target == "npu" else "int64") if lm else inp.numpy().astype(np_dtype),
                  "position_ids": pos.numpy().astype("int32" if target == "npu" else "int64")}
+        want = {outs[0]: out.numpy()}
         if target == "npu":
             feeds["attention_mask"] = host_mask(b, config.capacity, p0, n, MASK_VALUE, np_dtype)
-            want = {"output": out.numpy(), "key": k[:, :, p0:p0 + n].numpy(), "value": v[:, :, p0:p0 + n].numpy()}
+            want |= {new: p[:, :, p0:p0 + n].numpy() for new, p in zip(cache_names(config, kind, ""), presents)}
         else:
-            want = {"output": out.numpy(), "present_key": k.numpy(), "present_value": v.numpy()}
-        feeds |= {"past_key": cache[0].numpy().astype(np_dtype), "past_value": cache[1].numpy().astype(np_dtype)}
+            want |= {name: p.numpy() for name, p in zip(outs[1:], presents)}
+        if not (lm and target == "npu"):
+            feeds |= {name: c.numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
+        elif not steps[step] and p0:  # the rows a host holds before this graph's first step: its cache's start
+            feeds |= {name: c[:, :, :p0].numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
+        if lm:
+            x = out[:, -1].argmax(-1, keepdim=True)
+            want["greedy"] = x.numpy()
         steps[step].append((feeds, want, p0 + n))
-        cache = [k, v]
+        cache = presents
     return steps
 
 
@@ -69,16 +88,19 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
     with staged_dir(out) as tmp:
         graphs = []
         for kind in kinds:
-            for dtype, targets in VARIANTS:
+            for dtype, targets in VARIANTS[kind]:
                 c, folder = config.replace(dtype=dtype), f"{kind}-{dtype}"
                 export_model(c, tmp / folder, kind=kind, seed=seed, targets=targets, log=lambda *_: None)
                 model = build_model(c, kind, seed)
                 for target in targets:
-                    for step, steps in golden(model, c, target, seed).items():
+                    for step, steps in golden(model, c, target, kind, seed).items():
                         name = f"{folder}/{step}.{target}"
                         save_golden(tmp / f"{name}.golden.npz", steps)
                         graphs.append({"file": f"{name}.onnx", "golden": f"{name}.golden.npz", "kind": kind, "dtype": dtype,
-                                       "target": target, "step": step, "tolerance": TOLERANCE[dtype]})
+                                       "target": target, "step": step, "tolerance": TOLERANCE[dtype]}
+                                      | ({"host_cache": {"inputs": cache_names(c, kind, "past_"),
+                                                         "shape": [c.batch, c.num_kv_heads, c.capacity, c.head_dim]}}
+                                         if kind == "lm" else {}))
                 log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors")
         lints = {g["file"]: [vars(v) for v in lint(tmp / g["file"], g["target"])] for g in graphs}
         runtimes = {rt: {t: all(verify_graph(tmp, g, rt)["ok"] for g in graphs if g["target"] == t)
@@ -107,6 +129,15 @@ CONTRACT = {
         "gqa": "query heads grouped as [B,Hkv,(H/Hkv)*T,D] against [B,Hkv,C+T,D]; K/V never repeated",
         "opset": 17,
     },
+    "lm_npu": {
+        "inputs": "input_ids [B,T] int32; position_ids [B,T] int32; attention_mask [B,1,T,C+T] additive (one for "
+                  "every layer); past_key.i, past_value.i [B,Hkv,C,D] for each layer i",
+        "outputs": "logits [B,1,V] at the step's last position; key.i, value.i [B,Hkv,T,D]: each layer's new rows",
+        "prompt": "feed a prompt so that its last token is the last row of a step: a partial chunk first (pad its "
+                  "end; the next chunk overwrites those rows), or, shorter than T, all but its last token as one "
+                  "padded chunk and the last token as a decode step",
+        "weights": "weights.data beside the graphs (ONNX external data), shared by prefill and decode",
+    },
     "onnx": {
         "inputs": "hidden_states [B,T,E]; position_ids [B,T] int64; past_key, past_value [B,Hkv,C,D]",
         "outputs": "output [B,T,E]; present_key, present_value [B,Hkv,C,D]: past with rows p0..p0+T-1 written; "
@@ -121,17 +152,22 @@ def readme(config: AttentionConfig, runtimes: dict) -> str:
                          for rt, r in runtimes.items())
     return f"""# Attention hand-off bundle
 
-MiniMind attention block and decoder block (E={config.hidden_size}, H={config.num_heads}, Hkv={config.num_kv_heads},
-D={config.head_dim}, cache C={config.capacity} rows, prefill chunk T={config.chunk}, batch {config.batch}), random
+MiniMind's attention block, decoder block and whole causal language model (E={config.hidden_size},
+H={config.num_heads}, Hkv={config.num_kv_heads}, D={config.head_dim}, {config.num_layers} layers, vocabulary
+{config.vocab_size}, cache C={config.capacity} rows, prefill chunk T={config.chunk}, batch {config.batch}), random
 weights (seed 0), as static ONNX graphs.
 
 | folder | graphs |
 |---|---|
 | `attention-fp32/`, `block-fp32/` | `prefill.npu.onnx`, `decode.npu.onnx` (opset 17), `prefill.onnx.onnx`, `decode.onnx.onnx` (opset 24) |
 | `attention-fp16/`, `block-fp16/` | `prefill.npu.onnx`, `decode.npu.onnx` in fp16 |
+| `lm-fp32/`, `lm-fp16/` | the whole model's `prefill.npu.onnx`, `decode.npu.onnx`, their weights in `weights.data` |
 
 Every graph has a `*.golden.npz` beside it: inputs and eager-PyTorch (fp32) outputs for a prefill chunk at
-position 0 (prefill graphs) or 8 decode steps after it (decode graphs). Check them with
+position 0 (prefill graphs) or 8 decode steps after it (decode graphs); the whole model's decode steps feed
+eager PyTorch's greedy tokens (stored as `greedy`), and its goldens leave the L caches out but for the rows
+written before a graph's first step: the verifier keeps them as your host would, writing each step's reference
+rows. Check them with
 `python -m runtime.verify .` (needs only numpy, onnxruntime and, optionally, openvino). Tolerance: fp32 1e-4,
 fp16 1e-2 (absolute, or relative to the output's largest value).
 
@@ -152,6 +188,17 @@ npu_step(hidden_states [B,T,E], position_ids [B,T] int32, attention_mask [B,1,T,
 - Static primitives only: no If/Loop/Scan, Shape/Range/ConstantOfShape/NonZero, scatter, Expand/Tile or
   computed Reshape; no infinities (see `lint.json`, all clean).
 
+The whole model's step is the same with token ids in and one cache pair per layer:
+
+```
+lm_npu_step(input_ids [B,T] int32, position_ids [B,T] int32, attention_mask [B,1,T,C+T],
+            past_key.i, past_value.i [B,Hkv,C,D] for each layer i) -> logits [B,1,V], key.i, value.i [B,Hkv,T,D]
+```
+
+`logits` are the step's last position's: feed a prompt so that its last token is the last row of a step (a
+partial chunk first, its end padded and overwritten by the next chunk; a prompt shorter than T as a padded
+chunk of all but its last token, then a decode step for the last), then one decode step per new token.
+
 ## Verified on (measured when this bundle was built)
 
 {accepted}
@@ -162,7 +209,7 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m export.handoff", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="minimind", help="model config [minimind]")
     p.add_argument("--out", help="bundle folder [artifacts/PRESET/handoff]")
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="models to include [both]")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="models to include [all]")
     return run(_build, p.parse_args(argv))
 
 

@@ -10,8 +10,17 @@ from models import AttentionConfig
 FORMAT = 1
 
 
+LM = {
+    "inputs": "input_ids [B,T] int64 (int32 for npu), position_ids, one past_key.i/past_value.i pair per layer i",
+    "logits": "logits [B,1,V] of the step's last position only: a prompt is fed so that its last token is the last "
+              "row of a step (a partial chunk first, right-padded; a prompt shorter than T as a padded chunk of all "
+              "but its last token, then a decode step); see runtime/drivers.py Driver.feed",
+    "generation": "python -m runtime.generate FOLDER --target {raw,onnx,ort,npu} --prompt-ids 1,2,3",
+}
+
+
 def build_manifest(config: AttentionConfig, kind: str, name: str, opset: int, graphs: list[dict],
-                   sequence_parity: dict, weights: dict) -> dict:
+                   sequence_parity: dict, weights: dict, lm: dict | None = None) -> dict:
     return {
         "format": FORMAT,
         "name": name,
@@ -34,8 +43,11 @@ def build_manifest(config: AttentionConfig, kind: str, name: str, opset: int, gr
             "prefill": f"prompts longer than T={config.chunk} go in chunks; the last chunk is right-padded "
                        "and its padded outputs are ignored",
         },
+        **({"lm": LM | {"vocab_size": config.vocab_size, "num_layers": config.num_layers,
+                        "tie_embeddings": config.tie_embeddings} | (lm or {})} if kind == "lm" else {}),
         "graphs": graphs,
-        "sequence_parity": {"reference": "eager PyTorch full-sequence forward without a cache, fp32",
+        "sequence_parity": {"reference": "eager PyTorch full-sequence forward without a cache, fp32"
+                            + (", at every step of its own greedy continuation (teacher forcing)" if kind == "lm" else ""),
                             "targets": sequence_parity},
         "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
     }

@@ -1,14 +1,18 @@
 """Eager PyTorch reference models: the truth every exported graph is checked against."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .attention import Attention
 from .block import MiniMindBlock
+from .checkpoint import config_from_folder, load_lm_
 from .config import PRESETS, AttentionConfig, ConfigError, preset
+from .lm import MiniMindForCausalLM
 from .weights import WeightsError, checksum, init_random_, load_weights_
 
-KINDS = {"attention": Attention, "block": MiniMindBlock}
+KINDS = {"attention": Attention, "block": MiniMindBlock, "lm": MiniMindForCausalLM}
 
 
 def build_model(config: AttentionConfig, kind: str = "attention", seed: int = 0,
@@ -17,10 +21,21 @@ def build_model(config: AttentionConfig, kind: str = "attention", seed: int = 0,
     if kind not in KINDS:
         raise ConfigError(f"unknown model kind {kind!r}: expected one of {', '.join(KINDS)}")
     model = init_random_(KINDS[kind](config), seed)
-    if weights is not None:
+    if weights is not None and kind == "lm":
+        if layer is not None:
+            raise WeightsError(f"--layer {layer} picks one block of a checkpoint; the lm takes every layer")
+        load_lm_(model, weights)
+    elif weights is not None:
         load_weights_(model, weights, layer)
     return model.to(config.torch_dtype).eval()
 
 
-__all__ = ["Attention", "MiniMindBlock", "AttentionConfig", "ConfigError", "WeightsError", "PRESETS", "KINDS",
-           "preset", "build_model", "checksum", "init_random_", "load_weights_"]
+def model_config(config: AttentionConfig, kind: str, weights: str | None) -> AttentionConfig:
+    """The config a model is built with: a Hugging Face folder's config.json gives the lm its dims."""
+    if kind == "lm" and weights is not None and Path(weights).is_dir():
+        return config_from_folder(weights, config)
+    return config
+
+
+__all__ = ["Attention", "MiniMindBlock", "MiniMindForCausalLM", "AttentionConfig", "ConfigError", "WeightsError",
+           "PRESETS", "KINDS", "preset", "build_model", "model_config", "checksum", "init_random_", "load_weights_"]

@@ -1,4 +1,5 @@
-"""AttentionConfig: every shape the attention block and its exported graphs depend on.
+"""AttentionConfig: every shape the attention block, the decoder block, the whole language model and
+their exported graphs depend on (the LM fields are read by `--kind lm` only).
 
 One dataclass is the single source of truth: the model reads it, the exporter writes it
 into the manifest, and the CLI builds one flag per field from the metadata below.
@@ -6,6 +7,7 @@ into the manifest, and the CLI builds one flag per field from the metadata below
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,17 +30,21 @@ class AttentionConfig:
     num_kv_heads: int = _f(4, "key/value heads Hkv (H % Hkv == 0; Hkv == H is plain MHA)", "kv-heads")
     head_dim: int = _f(96, "per-head width D (even, for RoPE)", "head-dim")
     rope_theta: float = _f(1e6, "RoPE base frequency", "rope-theta")
-    rms_eps: float = _f(1e-5, "RMSNorm epsilon", "rms-eps")
+    rms_eps: float = _f(1e-6, "RMSNorm epsilon", "rms-eps")
     qk_norm: bool = _f(True, "per-head RMSNorm on Q and K before RoPE", "qk-norm")
     capacity: int = _f(2048, "KV cache capacity C (rows per head)", "capacity")
     chunk: int = _f(128, "prefill chunk length T", "chunk")
     batch: int = _f(1, "batch size B", "batch")
     dtype: str = _f("fp32", "weights and activations dtype", "dtype", tuple(DTYPES))
     sdpa: bool = _f(False, "use F.scaled_dot_product_attention instead of the plain course path", "sdpa")
-    intermediate_size: int = _f(0, "SwiGLU width of the decoder block (0: MiniMind's rule, 8/3*E rounded up to 64)", "intermediate-size")
+    intermediate_size: int = _f(0, "SwiGLU width of the decoder block (0: MiniMind's rule, ceil(E*pi/64)*64)", "intermediate-size")
+    vocab_size: int = _f(6400, "vocabulary size (lm)", "vocab-size")
+    num_layers: int = _f(8, "decoder blocks L (lm)", "layers")
+    tie_embeddings: bool = _f(True, "lm_head shares the token embedding's weights (lm)", "tie-embeddings")
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "capacity", "chunk", "batch"):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "capacity", "chunk", "batch", "vocab_size",
+                     "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config field {name}={value!r}: expected a positive integer")
@@ -69,7 +75,7 @@ class AttentionConfig:
     def ffn_size(self) -> int:
         if self.intermediate_size:
             return self.intermediate_size
-        return 64 * ((int(self.hidden_size * 8 / 3) + 63) // 64)
+        return 64 * math.ceil(self.hidden_size * math.pi / 64)
 
     def replace(self, **changes) -> "AttentionConfig":
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -86,10 +92,12 @@ class AttentionConfig:
 
 
 PRESETS = {
-    # MiniMind's attention at E=768: H=8 query heads sharing Hkv=4 key/value heads.
+    # MiniMind (its MiniMindConfig defaults) at E=768: H=8 query heads sharing Hkv=4 key/value heads,
+    # SwiGLU 2432 wide, 8 layers over a 6400-token vocabulary with tied embeddings.
     "minimind": AttentionConfig(),
-    # Small enough that a whole export + parity run takes about a second.
-    "tiny": AttentionConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, capacity=64, chunk=16),
+    # Small enough that a whole export + parity run takes seconds.
+    "tiny": AttentionConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, capacity=64, chunk=16,
+                            vocab_size=128, num_layers=2),
 }
 
 

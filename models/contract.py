@@ -2,6 +2,12 @@
 
     step(hidden_states [B,T,E], position_ids [B,T] int64, past_key/past_value [B,Hkv,C,D])
       -> output [B,T,E], present_key/present_value [B,Hkv,C,D]
+
+The whole language model (`lm`) takes token ids and one cache pair per layer, and returns
+the logits of the step's last position:
+
+    lm_step(input_ids [B,T] int64, position_ids [B,T] int64, past_key.i/past_value.i [B,Hkv,C,D])
+      -> logits [B,1,V], present_key.i/present_value.i [B,Hkv,C,D]
 """
 from __future__ import annotations
 
@@ -21,36 +27,58 @@ def step_len(config: AttentionConfig, step: str) -> int:
     return config.chunk if step == "prefill" else 1
 
 
-def io_specs(config: AttentionConfig, seq_len: int) -> dict:
+def cache_names(config: AttentionConfig, kind: str, prefix: str) -> list[str]:
+    """past_key, past_value (a block), or past_key.0, past_value.0, past_key.1, ... (the lm)."""
+    if kind != "lm":
+        return [f"{prefix}key", f"{prefix}value"]
+    return [f"{prefix}{kv}.{i}" for i in range(config.num_layers) for kv in ("key", "value")]
+
+
+def input_names(config: AttentionConfig, kind: str = "attention") -> tuple:
+    first = "input_ids" if kind == "lm" else "hidden_states"
+    return (first, "position_ids", *cache_names(config, kind, "past_"))
+
+
+def output_names(config: AttentionConfig, kind: str = "attention") -> tuple:
+    return ("logits" if kind == "lm" else "output", *cache_names(config, kind, "present_"))
+
+
+def io_specs(config: AttentionConfig, seq_len: int, kind: str = "attention") -> dict:
     """{'inputs': [...], 'outputs': [...]}, each {'name', 'shape', 'dtype'} as numpy names them."""
     float_t = "float16" if config.dtype == "fp16" else "float32"
     b, e, cache = config.batch, config.hidden_size, [config.batch, config.num_kv_heads, config.capacity, config.head_dim]
     spec = lambda name, shape, dtype=float_t: {"name": name, "shape": list(shape), "dtype": dtype}  # noqa: E731
+    first = spec("input_ids", (b, seq_len), "int64") if kind == "lm" else spec("hidden_states", (b, seq_len, e))
+    out = spec("logits", (b, 1, config.vocab_size)) if kind == "lm" else spec("output", (b, seq_len, e))
     return {
-        "inputs": [spec("hidden_states", (b, seq_len, e)), spec("position_ids", (b, seq_len), "int64"),
-                   spec("past_key", cache), spec("past_value", cache)],
-        "outputs": [spec("output", (b, seq_len, e)), spec("present_key", cache), spec("present_value", cache)],
+        "inputs": [first, spec("position_ids", (b, seq_len), "int64")]
+        + [spec(n, cache) for n in cache_names(config, kind, "past_")],
+        "outputs": [out] + [spec(n, cache) for n in cache_names(config, kind, "present_")],
     }
 
 
-def npu_io_specs(config: AttentionConfig, seq_len: int) -> dict:
-    """The `npu` step: int32 positions, the host's additive mask over [past C rows, new T rows], new rows out."""
-    spec = io_specs(config, seq_len)
-    float_t = spec["inputs"][0]["dtype"]
+def npu_io_specs(config: AttentionConfig, seq_len: int, kind: str = "attention") -> dict:
+    """The `npu` step: int32 ids and positions, the host's additive mask over [past C rows, new T rows],
+    every layer's new rows out (key/value, or key.i/value.i)."""
+    spec = io_specs(config, seq_len, kind)
+    float_t = "float16" if config.dtype == "fp16" else "float32"
     b, kv, c, d = config.batch, config.num_kv_heads, config.capacity, config.head_dim
     inputs = spec["inputs"]
-    inputs[1]["dtype"] = "int32"
+    for s in inputs[:2]:
+        if s["dtype"] == "int64":
+            s["dtype"] = "int32"
     inputs.insert(2, {"name": "attention_mask", "shape": [b, 1, seq_len, c + seq_len], "dtype": float_t})
-    spec["outputs"][1:] = [{"name": n, "shape": [b, kv, seq_len, d], "dtype": float_t} for n in ("key", "value")]
+    spec["outputs"][1:] = [{"name": n, "shape": [b, kv, seq_len, d], "dtype": float_t}
+                           for n in cache_names(config, kind, "")]
     return spec
 
 
-def example_inputs(config: AttentionConfig, seq_len: int, p0: int = 0, seed: int = 0) -> tuple:
-    """Contract inputs in argument order: random hidden states and cache, positions p0..p0+T-1."""
+def example_inputs(config: AttentionConfig, seq_len: int, p0: int = 0, seed: int = 0, kind: str = "attention") -> tuple:
+    """Contract inputs in argument order: random hidden states (or token ids) and caches, positions p0..p0+T-1."""
     gen = torch.Generator().manual_seed(seed)
     b, dt = config.batch, config.torch_dtype
     cache = (b, config.num_kv_heads, config.capacity, config.head_dim)
-    return (torch.randn(b, seq_len, config.hidden_size, generator=gen).to(dt),
-            (p0 + torch.arange(seq_len)).expand(b, seq_len).contiguous(),
-            torch.randn(cache, generator=gen).to(dt),
-            torch.randn(cache, generator=gen).to(dt))
+    first = torch.randint(0, config.vocab_size, (b, seq_len), generator=gen) if kind == "lm" else \
+        torch.randn(b, seq_len, config.hidden_size, generator=gen).to(dt)
+    caches = [torch.randn(cache, generator=gen).to(dt) for _ in cache_names(config, kind, "past_")]
+    return (first, (p0 + torch.arange(seq_len)).expand(b, seq_len).contiguous(), *caches)

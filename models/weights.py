@@ -1,7 +1,8 @@
 """Weights for the models: seeded random ones for tests, or MiniMind state dicts from disk.
 
 A MiniMind checkpoint holds every layer under `model.layers.N.`; a block is that prefix,
-the attention block is `model.layers.N.self_attn.`. A state dict saved from one of our
+the attention block is `model.layers.N.self_attn.`, the whole LM takes it all (see
+checkpoint.py, which also reads Hugging Face folders). A state dict saved from one of our
 modules directly has no prefix at all.
 """
 from __future__ import annotations
@@ -79,6 +80,11 @@ def load_weights_(model: nn.Module, path: str | Path, layer: int | None = None) 
     path = Path(path)
     from .attention import Attention
     state = _select_layer(_read(path), path, layer, attention_only=isinstance(model, Attention))
+    return fit_(model, state, f"weights file {path}")
+
+
+def fit_(model: nn.Module, state: dict, source: str) -> nn.Module:
+    """Copy `state` into `model`, or fail naming every missing, unexpected and mis-shaped key."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
@@ -87,7 +93,7 @@ def load_weights_(model: nn.Module, path: str | Path, layer: int | None = None) 
     problems = [f"missing keys {missing}"] * bool(missing) + [f"unexpected keys {extra}"] * bool(extra) \
         + [f"mis-shaped {shapes}"] * bool(shapes)
     if problems:
-        raise WeightsError(f"weights file {path}: does not fit the model: {'; '.join(problems)}")
+        raise WeightsError(f"{source}: does not fit the model: {'; '.join(problems)}")
     with torch.no_grad():
         for k, t in expected.items():
             t.copy_(state[k].to(t.dtype))

@@ -156,8 +156,9 @@ def as_view(ids: np.ndarray, source_shape: tuple[int, ...]) -> tuple[tuple[int, 
     return reshape, perm
 
 
-def evaluate(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], feeds: list[np.ndarray]) -> list[np.ndarray]:
-    """Run the part of `model` that computes `outputs` from `inputs` alone (raises ValueError if it needs more)."""
+def evaluator(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value]):
+    """A function feeds -> outputs running the part of `model` that computes `outputs` from `inputs` alone (raises
+    ValueError if it needs more); one onnxruntime session, however many times it is called."""
     import onnxruntime as ort
 
     sub = ir.convenience.extract(model.graph, inputs=inputs, outputs=outputs)
@@ -166,7 +167,13 @@ def evaluate(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], f
     options = ort.SessionOptions()
     options.log_severity_level = 4  # failures surface as exceptions, not log lines
     session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, {v.name: f for v, f in zip(sub.inputs, feeds)})
+    names = [v.name for v in sub.inputs]
+    return lambda feeds: session.run(None, dict(zip(names, feeds)))
+
+
+def evaluate(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], feeds: list[np.ndarray]) -> list[np.ndarray]:
+    """Run the part of `model` that computes `outputs` from `inputs` alone, once."""
+    return evaluator(model, inputs, outputs)(feeds)
 
 
 def graph_input_ancestors(value: ir.Value) -> list[ir.Value]:

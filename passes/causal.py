@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import attr, const, evaluate, graph_input_ancestors, position_source, sample_positions, static_shape
+from .analysis import attr, const, evaluator, graph_input_ancestors, position_source, sample_positions, static_shape
 from .base import NotFused
 
 
@@ -38,7 +38,7 @@ def check_cache_writes(model: ir.Model, writes: list[ir.Node], mask: ir.Value | 
         raise NotFused("the mask is computed from another input than the cache write positions")
     rows = np.arange(capacity)[None, None, None, :]
     samples = sample_positions(batch, length, capacity, pos.dtype.numpy())
-    masks = [_run(model, [pos], [mask], [sample]) for sample in samples]
+    masks = _run(model, [pos], [mask], [[sample] for sample in samples])
     at = [sample[:, None, :, None] for sample in samples]
     window = band(masks, [rows <= a for a in at], [a - rows for a in at]) if windowed else 0
     for m, a in zip(masks, at):
@@ -64,8 +64,7 @@ def causal_window(model: ir.Model, mask: ir.Value, length: int) -> int:
         samples = [[(p0 + np.broadcast_to(np.arange(pos.shape[1]), static_shape(pos))).astype(pos.dtype.numpy())]
                    for p0 in (0, 1, 37)]
     i, j = np.arange(length)[:, None], np.arange(length)[None]
-    masks = [const(mask)] if not sources and const(mask) is not None else \
-        [_run(model, sources, [mask], feeds) for feeds in samples]
+    masks = [const(mask)] if not sources and const(mask) is not None else _run(model, sources, [mask], samples)
     window = band(masks, [j <= i] * len(masks), [i - j] * len(masks))
     if not all(same_mask(m, (j <= i) & ((i - j < window) if window else True)) for m in masks):
         raise NotFused("the mask is not the causal lower triangle (or a band of it); GroupQueryAttention masks "
@@ -89,9 +88,11 @@ def band(masks: list[np.ndarray], causal: list[np.ndarray], distance: list[np.nd
     return 0 if widest >= reach else widest
 
 
-def _run(model: ir.Model, inputs, outputs, feeds) -> np.ndarray:
+def _run(model: ir.Model, inputs, outputs, samples) -> list[np.ndarray]:
+    """The mask for each sample's feeds."""
     try:
-        return evaluate(model, inputs, outputs, feeds)[0]
+        run = evaluator(model, inputs, outputs)
+        return [run(feeds)[0] for feeds in samples]
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise NotFused(f"the mask cannot be evaluated on its own ({first})") from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import attr, evaluate, position_source, sample_positions, static_shape
+from .analysis import attr, evaluator, position_source, sample_positions, static_shape
 from .base import FusionPass, NotFused
 from .build import Builder, replace_value
 
@@ -40,11 +40,12 @@ class FuseCacheWrite(FusionPass):
         axis = _seq_axis(node, perm, cache, upd, length)
         if cache[0] != batch or upd[0] != batch:
             raise NotFused(f"cache batch {cache[0]} / update batch {upd[0]} differ from positions batch {batch}")
+        try:
+            run = evaluator(model, [pos], [indices])
+        except ValueError as e:
+            raise NotFused(f"scatter indices cannot be evaluated from {pos.name} alone ({e})") from None
         for sample in sample_positions(batch, length, cache[axis], pos.dtype.numpy()):
-            try:
-                (idx,) = evaluate(model, [pos], [indices], [sample])
-            except ValueError as e:
-                raise NotFused(f"scatter indices cannot be evaluated from {pos.name} alone ({e})") from None
+            (idx,) = run([sample])
             dest = _destinations(node.op_type, idx, node, frame_upd)
             if dest is not None:  # into the cache's layout: permute the coordinates, then the update's axes
                 dest = dest[..., list(inv)].transpose(*inv, len(inv))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import const, evaluate, graph_input_ancestors, sample_positions, scalar, static_shape
+from .analysis import const, evaluator, graph_input_ancestors, sample_positions, scalar, static_shape
 from .base import FusionPass, NotFused, Skip
 from .build import Builder, replace_value
 
@@ -136,13 +136,14 @@ def _tables(model, cos, sin, batch, length, dim, layout):
         raise NotFused(f"cos/sin come from {pos.name}, not an integer [B, T] positions input")
     capacity = _table_rows(cos)
     tables = [np.zeros((capacity, dim), np.float64) for _ in range(2)]
+    run = evaluator(model, [pos], [cos, sin])
     for p0 in range(0, capacity, length):
         p0 = min(p0, capacity - length)
         sample = np.broadcast_to(np.arange(p0, p0 + length), (batch, length)).astype(pos.dtype.numpy())
-        for table, got in zip(tables, evaluate(model, [pos], [cos, sin], [sample])):
+        for table, got in zip(tables, run([sample])):
             table[p0:p0 + length] = _rows(got, layout, batch, length, dim)[0]
     for sample in sample_positions(batch, length, capacity, pos.dtype.numpy()):
-        for table, got in zip(tables, evaluate(model, [pos], [cos, sin], [sample])):
+        for table, got in zip(tables, run([sample])):
             if not np.allclose(_rows(got, layout, batch, length, dim), table[sample], rtol=0, atol=1e-6):
                 raise NotFused("cos/sin are not a function of each position alone")
     return pos, *(_halves(t) for t in tables)

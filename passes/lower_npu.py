@@ -72,6 +72,8 @@ class LowerNPU(GraphPass):
         if old.uses():
             raise NotFused(f"position_ids is still used by {[u.op_type for u, _ in old.uses()]} after lowering")
         graph.inputs.remove(old)
+        for other in [v for v in graph.inputs if v.dtype == ir.DataType.INT64]:
+            self._int32_input(model, other)
         for node in [n for n in graph if n.op_type in AXES_ATTRIBUTE_BEFORE_18 and len(n.inputs) > 1]:
             _axes_to_attribute(node)
         model.opset_imports[""] = OPSET
@@ -121,10 +123,28 @@ class LowerNPU(GraphPass):
         replace_value(node.outputs[0], out)
         for write, name in zip(writes, ("key", "value")):
             outputs = model.graph.outputs
-            if write.outputs[0] in outputs:
+            if write.outputs[0] in outputs:  # present_key(.i) -> key(.i): the step's new rows
+                present = write.outputs[0].name
                 outputs[outputs.index(write.outputs[0])] = write.inputs[1]
-                write.inputs[1].name = name
+                write.inputs[1].name = present.removeprefix("present_") if present.startswith("present_") else name
         return mask_input
+
+    def _int32_input(self, model, old: ir.Value) -> None:
+        """An int64 graph input (token ids) taken as int32, what NPUs index with: gathers read it as is."""
+        graph = model.graph
+        new = ir.Value(name=old.name, shape=old.shape, type=ir.TensorType(ir.DataType.INT32))
+        old.name += ".int64"
+        graph.inputs.insert(graph.inputs.index(old), new)
+        b = Builder(model, next(iter(graph)), f"{self.name}/{new.name}")
+        wide = None
+        for user, index in list(old.uses()):
+            if user.op_type == "Gather" and index == 1:
+                user.replace_input_with(index, new)
+                continue
+            if wide is None:
+                wide = b.op("Cast", [new], list(old.shape), ir.DataType.INT64, to=int(ir.DataType.INT64))
+            user.replace_input_with(index, wide)
+        graph.inputs.remove(old)
 
     def _rope(self, model, node, old_pos, pos):
         x, cos_cache, sin_cache, positions = node.inputs[:4]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .generate import Driver, Generator, HostCacheGenerator
+from .drivers import Driver, Generator, HostCacheGenerator
 from .session import StepSession
 
 

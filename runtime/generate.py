@@ -1,149 +1,193 @@
-"""Generation-style drivers: chunked prefill, then decode steps, over a cache the runtime owns.
+"""Text generation with an exported whole model: python -m runtime.generate FOLDER [--target ...] --prompt-ids 1,2,3
 
-`Generator` keeps the cache in onnxruntime buffers on the session's device (host memory on
-CPU, GPU memory on CUDA), bound with IO binding, so no cache byte crosses to the host and
-nothing is allocated per step. Graphs that update the cache in place (TensorScatter,
-GroupQueryAttention) get one buffer pair bound as both past_* and present_*; others read
-past_* from one pair and write present_* into a second, and the pairs swap each step.
-
-`HostCacheGenerator` drives `npu` graphs, which return only the new rows: the host keeps
-the cache, builds the mask, and writes the rows back.
+The prompt is fed in chunks (its last token the last row of a step, so that step's logits
+are the next token's), then one decode step per new token, over caches the runtime owns
+(bound in place for onnx/ort, host-owned for npu). Tokens are chosen greedily, or sampled
+the way MiniMind's own `generate` does: repetition penalty, temperature, top-k, top-p
+(nucleus), from a seeded generator. Generation stops at an end-of-sequence token, after
+`max_new_tokens`, or when the cache is full (a clear stop, not an error).
 """
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
-import onnxruntime as ort
 
-from .session import FeedError, StepSession
-
-
-class Driver:
-    """Prompt chunking and decode positions over two step sessions; subclasses own the cache."""
-
-    def __init__(self, prefill: StepSession, decode: StepSession):
-        self.prefill_session, self.decode_session = prefill, decode
-        self.batch, self.chunk, self.hidden = prefill.spec("hidden_states")["shape"]
-        self.cache_shape = prefill.spec("past_key")["shape"]
-        self.cache_dtype = np.dtype(prefill.spec("past_key")["dtype"])
-        self.capacity = self.cache_shape[2]
-        self.position = 0
-
-    def reset(self) -> None:
-        """Start a new sequence; old rows need no clearing, as a query only sees rows <= its position."""
-        self.position = 0
-
-    def prefill(self, x: np.ndarray) -> np.ndarray:
-        """Run a prompt [B, L, E] in chunks of T from the current position; returns [B, L, E].
-
-        The last chunk is right-padded with zeros and its padded outputs dropped. A tail
-        whose padded chunk would run past the cache goes through decode steps instead.
-        """
-        if x.ndim != 3 or x.shape[0] != self.batch or x.shape[2] != self.hidden:
-            raise FeedError(f"prompt: shape {list(x.shape)}; expected [{self.batch}, L, {self.hidden}]")
-        start, end = self.position, self.position + x.shape[1]
-        if not start < end <= self.capacity:
-            raise FeedError(f"prompt: length {x.shape[1]} at position {start}; expected 1..{self.capacity - start} "
-                            f"to fit the cache capacity {self.capacity}")
-        outputs = []
-        for p0 in range(start, end, self.chunk):
-            piece = x[:, p0 - start: p0 - start + self.chunk]
-            n = piece.shape[1]
-            if p0 + self.chunk > self.capacity:
-                outputs += [self.decode(piece[:, i:i + 1]) for i in range(n)]
-                continue
-            if n < self.chunk:
-                piece = np.concatenate([piece, np.zeros((self.batch, self.chunk - n, self.hidden), x.dtype)], axis=1)
-            outputs.append(self._step(self.prefill_session, piece, p0)[:, :n])
-            self.position = p0 + n
-        return np.concatenate(outputs, axis=1)
-
-    def decode(self, x: np.ndarray) -> np.ndarray:
-        """One token [B, 1, E] at the current position; returns [B, 1, E]."""
-        if self.position >= self.capacity:
-            raise FeedError(f"decode: position {self.position} is past the cache; expected < capacity {self.capacity}")
-        out = self._step(self.decode_session, x, self.position)
-        self.position += 1
-        return out
-
-    def run_step(self, step: str, x: np.ndarray, p0: int) -> np.ndarray:
-        """One prefill or decode step at absolute position p0 over the runtime's cache, leaving
-        `position` alone: what a benchmark repeats to time a step at a given cache fill."""
-        return self._step(self.prefill_session if step == "prefill" else self.decode_session, x, p0)
-
-    def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def _positions(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
-        """position_ids for a step at p0, after checking the step's hidden states against the graph."""
-        t = session.spec("position_ids")["shape"][1]
-        dtype = np.dtype(session.spec("position_ids")["dtype"])
-        position_ids = np.broadcast_to(np.arange(p0, p0 + t, dtype=dtype), (self.batch, t)).copy()
-        session.check_input("hidden_states", x)
-        session.check_input("position_ids", position_ids)
-        return position_ids
+from .artifacts import ArtifactError, load_manifest, open_generator
+from .cli import Parser, run
+from .drivers import Driver
 
 
-class Generator(Driver):
-    def __init__(self, prefill: StepSession, decode: StepSession):
-        super().__init__(prefill, decode)
-        device = "cuda" if prefill.on_cuda else "cpu"
-        # Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite.
-        # One array per buffer: on CPU an OrtValue wraps its numpy array's memory.
-        new_pair = lambda: [ort.OrtValue.ortvalue_from_numpy(np.zeros(self.cache_shape, self.cache_dtype), device, 0)  # noqa: E731
-                            for _ in range(2)]
-        self.in_place = prefill.cache_in_place and decode.cache_in_place
-        self._past = new_pair()
-        self._present = self._past if self.in_place else new_pair()
-        self._bindings = {}  # one IO binding per session, kept across steps
-        for session in (prefill, decode):
-            binding = self._bindings[id(session)] = session.session.io_binding()
-            binding.bind_output("output", "cpu")
-            self._bind_cache(binding)
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0          # 0: greedy
+    top_k: int = 0                    # 0: every token
+    top_p: float = 1.0                # 1: every token
+    repetition_penalty: float = 1.0   # 1: none; > 1 makes tokens already in the sequence less likely
+    seed: int = 0
 
-    def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
-        position_ids = self._positions(session, x, p0)
-        binding = self._bindings[id(session)]
-        binding.bind_cpu_input("hidden_states", np.ascontiguousarray(x))
-        binding.bind_cpu_input("position_ids", position_ids)
-        if not self.in_place:
-            self._bind_cache(binding)
-        session.session.run_with_iobinding(binding)
-        if not self.in_place:
-            self._past, self._present = self._present, self._past
-        return binding.get_outputs()[0].numpy().copy()  # the binding reuses its output buffer next step
-
-    def _bind_cache(self, binding) -> None:
-        binding.bind_ortvalue_input("past_key", self._past[0])
-        binding.bind_ortvalue_input("past_value", self._past[1])
-        binding.bind_ortvalue_output("present_key", self._present[0])
-        binding.bind_ortvalue_output("present_value", self._present[1])
+    def __post_init__(self):
+        for name, ok, want in (("temperature", self.temperature >= 0, ">= 0"), ("top_k", self.top_k >= 0, ">= 0"),
+                               ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                               ("repetition_penalty", self.repetition_penalty > 0, "> 0")):
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)}; expected {want}")
 
 
-class HostCacheGenerator(Driver):
-    """The graph sees past_key/past_value [B, Hkv, C, D] and attention_mask [B, 1, T, C+T]:
-    cache row j is visible to every query iff j < p0 (rows the host wrote before this step),
-    and new row t' to query t iff t' <= t. Masked entries hold `mask_value`."""
+def choose(logits: np.ndarray, seen: list[int], sampling: Sampling, rng: np.random.Generator) -> int:
+    """The next token from one position's logits [V]."""
+    logits = logits.astype(np.float64)
+    if sampling.repetition_penalty != 1.0 and seen:  # as transformers (and MiniMind) apply it: on the logits
+        ids = np.unique(seen)
+        picked = logits[ids]
+        logits[ids] = np.where(picked > 0, picked / sampling.repetition_penalty, picked * sampling.repetition_penalty)
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.size:
+        logits[logits < np.partition(logits, -sampling.top_k)[-sampling.top_k]] = -np.inf
+    if sampling.top_p < 1.0:  # keep the smallest set of most likely tokens whose probability reaches top_p
+        order = np.argsort(-logits)
+        probs = np.exp(logits[order] - logits[order[0]])
+        cumulative = np.cumsum(probs / probs.sum())
+        drop = order[1:][cumulative[:-1] >= sampling.top_p]
+        logits[drop] = -np.inf
+    probs = np.exp(logits - logits.max())
+    return int(rng.choice(logits.size, p=probs / probs.sum()))
 
-    def __init__(self, prefill: StepSession, decode: StepSession, mask_value: float):
-        super().__init__(prefill, decode)
-        self.mask_value = mask_value
-        self.keys = np.zeros(self.cache_shape, self.cache_dtype)
-        self.values = np.zeros(self.cache_shape, self.cache_dtype)
 
-    def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
-        position_ids = self._positions(session, x, p0)
-        t = position_ids.shape[1]
-        mask = host_mask(self.batch, self.capacity, p0, t, self.mask_value, self.cache_dtype)
-        out = session.run({"hidden_states": x, "position_ids": position_ids, "attention_mask": mask,
-                           "past_key": self.keys, "past_value": self.values})
-        self.keys[:, :, p0:p0 + t] = out["key"]
-        self.values[:, :, p0:p0 + t] = out["value"]
-        return out["output"]
+def generate(driver: Driver, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+             eos: tuple[int, ...] = (), on_token=None) -> dict:
+    """Generate up to `max_new_tokens` after `prompt` (batch 1); `on_token(id)` is called as each one comes."""
+    if driver.batch != 1:
+        raise ValueError(f"the graphs take batch {driver.batch}; generation runs one sequence (export with --batch 1)")
+    if not prompt:
+        raise ValueError("empty prompt; expected at least one token id")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}; expected at least 1")
+    if len(prompt) >= driver.capacity:
+        raise ValueError(f"prompt of {len(prompt)} tokens; the cache holds {driver.capacity}, expected a shorter prompt")
+    rng, out, stop = np.random.default_rng(sampling.seed), [], "max_new_tokens"
+    driver.reset()
+    start = time.perf_counter()
+    logits = driver.feed(np.array([prompt], np.int64))
+    first = time.perf_counter()
+    while True:
+        token = choose(logits[0, -1], prompt + out, sampling, rng)
+        out.append(token)
+        if on_token:
+            on_token(token)
+        if token in eos:
+            stop = "eos"
+            break
+        if len(out) == max_new_tokens:
+            break
+        if driver.position >= driver.capacity:
+            stop = "capacity"
+            break
+        logits = driver.decode(np.array([[token]], np.int64))
+    end = time.perf_counter()
+    decode_s = end - first
+    return {"prompt_ids": list(prompt), "generated_ids": out, "stop": stop, "time_to_first_token_ms": (first - start) * 1e3,
+            "decode_ms_per_token": decode_s * 1e3 / max(len(out) - 1, 1),
+            "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0}
 
 
-def host_mask(batch: int, capacity: int, p0: int, t: int, mask_value: float, dtype) -> np.ndarray:
-    """The npu step's attention_mask [B, 1, T, C+T]: 0 where visible, `mask_value` elsewhere."""
-    visible = np.concatenate([np.broadcast_to(np.arange(capacity) < p0, (t, capacity)),
-                              np.tril(np.ones((t, t), bool))], axis=1)
-    mask = np.where(visible, 0.0, mask_value).astype(dtype)
-    return np.broadcast_to(mask, (batch, 1, t, capacity + t)).copy()
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token ids, e.g. 1,2,3") from None
+
+
+def parser() -> Parser:
+    p = Parser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", help="an export of the whole model (python -m export --kind lm)")
+    p.add_argument("--target", default="ort", choices=("raw", "onnx", "ort", "npu"), help="which graphs run [ort]")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-ids", type=_ids, metavar="1,2,3", help="the prompt as token ids")
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as text (needs a tokenizer)")
+    p.add_argument("--tokenizer", metavar="tokenizer.json",
+                   help="a Hugging Face tokenizer.json [FOLDER/tokenizer.json when the export copied one]")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="stop after this many new tokens [32]")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; above 0 samples [0]")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0: all [0]")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens up to this "
+                   "probability mass [1.0]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating tokens [1.0]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler [0]")
+    p.add_argument("--eos", type=_ids, metavar="ID[,ID]", help="end-of-sequence token id(s) [the manifest's, if any]")
+    p.add_argument("--provider", default="auto", choices=("cpu", "cuda", "auto"), help="onnxruntime device [auto]")
+    p.add_argument("--threads", type=int, default=0, help="onnxruntime threads; 0: all cores [0]")
+    p.add_argument("--json", action="store_true", help="end with one JSON line: generated_ids, tokens_per_s, ...")
+    return p
+
+
+def main(argv=None) -> int:
+    return run(_main, parser().parse_args(argv))
+
+
+def _main(args) -> int:
+    manifest = load_manifest(args.folder)
+    if manifest.get("kind") != "lm":
+        raise ArtifactError(f"{args.folder}: an export of kind {manifest.get('kind')!r}; expected the whole model "
+                            "(python -m export --kind lm)")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+    tokenizer = _tokenizer(args, manifest)
+    prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt).ids
+    vocab = manifest["config"]["vocab_size"]
+    if any(not 0 <= t < vocab for t in prompt):
+        raise ValueError(f"prompt ids {prompt[:8]}...: expected ids in 0..{vocab - 1}")
+    driver = open_generator(args.folder, args.target, provider=args.provider, threads=args.threads)
+    eos = tuple(args.eos if args.eos is not None else manifest["lm"].get("eos_token_ids", []))
+    stream = _Stream(tokenizer)
+    result = generate(driver, prompt, args.max_new_tokens, sampling, eos, on_token=stream)
+    stream.end()
+    print(f"{len(result['generated_ids'])} tokens ({result['stop']}): time to first token "
+          f"{result['time_to_first_token_ms']:.1f} ms, {result['tokens_per_s']:.1f} tokens/s")
+    if args.json:
+        print(json.dumps({"target": args.target, **result}))
+    return 0
+
+
+def _tokenizer(args, manifest):
+    path = args.tokenizer or (Path(args.folder) / "tokenizer.json" if (Path(args.folder) / "tokenizer.json").is_file()
+                              else None)
+    if path is None:
+        if args.prompt is not None:
+            raise ValueError("--prompt needs a tokenizer: pass --tokenizer tokenizer.json (or use --prompt-ids)")
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise ValueError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({str(e).strip()[:120]})") from None
+
+
+class _Stream:
+    """Prints tokens as they come: text through the tokenizer, else ids."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        if self.tokenizer is None:
+            print(token, end=" ", flush=True)
+            return
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
+
+    def end(self) -> None:
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

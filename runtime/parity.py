@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from models import AttentionConfig
-from models.contract import INPUTS, example_inputs
+from models.contract import example_inputs, input_names, output_names
+from models.lm import greedy
 
-from .generate import Driver, HostCacheGenerator
+from .drivers import Driver, HostCacheGenerator
 from .metrics import TOLERANCE, close, error, worst
 from .session import StepSession
 
@@ -26,26 +27,27 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def step_parity(model, runner: StepSession | HostCacheGenerator, config: AttentionConfig, seq_len: int, p0: int,
-                seed: int = 0) -> dict:
-    """One step at positions p0..p0+T-1 over a random cache; output and the written cache rows.
+                seed: int = 0, kind: str = "attention") -> dict:
+    """One step at positions p0..p0+T-1 over random caches; the output (the LM's logits) and the written cache rows.
 
     `runner` is a step-contract session, or the host-cache driver of an `npu` graph (its
-    cache set to the same random rows). Rows after the last written one are unspecified by
+    caches set to the same random rows). Rows after the last written one are unspecified by
     the contract, so they are not compared.
     """
-    args = example_inputs(config, seq_len, p0, seed)
+    args = example_inputs(config, seq_len, p0, seed, kind)
+    names, outs = input_names(config, kind), output_names(config, kind)
     if isinstance(runner, HostCacheGenerator):
-        runner.keys[...], runner.values[...] = args[2].numpy(), args[3].numpy()
+        for name, a in zip(names[2:], args[2:]):
+            runner.caches[name][...] = a.numpy()
         out = runner.run_step("prefill" if seq_len == config.chunk else "decode", args[0].numpy(), p0)
-        got = {"output": out, "present_key": runner.keys, "present_value": runner.values}
+        got = {outs[0]: out} | {"present_" + n.removeprefix("past_"): runner.caches[n] for n in names[2:]}
     else:
-        got = runner.run({name: a.numpy() for name, a in zip(INPUTS, args)})
+        got = runner.run({name: a.numpy() for name, a in zip(names, args)})
     with torch.no_grad():
         ref = reference_model(model)(*[a.float() if a.is_floating_point() else a for a in args])
     live = p0 + seq_len
-    errs = {"output": error(got["output"], ref[0].numpy()),
-            "present_key": error(got["present_key"][:, :, :live], ref[1][:, :, :live].numpy()),
-            "present_value": error(got["present_value"][:, :, :live], ref[2][:, :, :live].numpy())}
+    errs = {outs[0]: error(got[outs[0]], ref[0].numpy())}
+    errs |= {n: error(got[n][:, :, :live], r[:, :, :live].numpy()) for n, r in zip(outs[1:], ref[1:])}
     return {"p0": p0, **worst(list(errs.values())), "per_output": errs}
 
 
@@ -64,3 +66,20 @@ def sequence_parity(model, generator: Driver, config: AttentionConfig, prompt_le
     per_position = np.abs(got.astype(np.float64) - ref).max(axis=(0, 2))
     return {"prompt_len": prompt_len, "decode_steps": decode_steps, **error(got, ref),
             "worst_position": int(per_position.argmax())}
+
+
+def token_parity(model, driver: Driver, config: AttentionConfig, prompt_len: int, decode_steps: int,
+                 seed: int = 0) -> dict:
+    """The whole model: a prompt fed in chunks, then decode steps on eager PyTorch's own greedy tokens (teacher
+    forcing, so one near-tie cannot derail the rest), against the eager full-sequence forward at every step.
+
+    Reports the logits' error over the steps and how often the runtime's top-1 token is eager's greedy one.
+    """
+    prompt = torch.randint(0, config.vocab_size, (config.batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    tokens, ref = greedy(reference_model(model), prompt, decode_steps + 1)
+    driver.reset()
+    got = [driver.feed(prompt.numpy())[:, -1]]
+    got += [driver.decode(tokens[:, i:i + 1].numpy())[:, -1] for i in range(decode_steps)]
+    got, ref = np.stack(got, axis=1), ref.numpy()
+    top1 = float((got.argmax(-1) == tokens.numpy()).mean())
+    return {"prompt_len": prompt_len, "decode_steps": decode_steps, **error(got, ref), "top1_agreement": top1}

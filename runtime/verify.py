@@ -36,9 +36,33 @@ def golden_steps(path: Path) -> list[tuple[dict, dict, int]]:
 
 
 def compare(got: dict, want: dict, live: int) -> dict:
-    """Worst error over the outputs (present_* on the rows written so far)."""
+    """Worst error over the outputs (present_* on the rows written so far); with the LM's greedy tokens stored,
+    also whether the graph's top-1 token is eager's."""
     rows = lambda name, x: x[:, :, :live] if name.startswith("present") else x  # noqa: E731
-    return worst([error(rows(name, got[name]), rows(name, expected)) for name, expected in want.items()])
+    err = worst([error(rows(name, got[name]), rows(name, expected)) for name, expected in want.items()
+                 if name != "greedy"])
+    if "greedy" in want:
+        err["top1"] = float((got["logits"][:, -1].argmax(-1) == want["greedy"][:, -1]).mean())
+    return err
+
+
+class HostCache:
+    """The caches of a golden that leaves them out (the whole model's): the rows it stores for before its first
+    step (or zeros), then after each step the reference's new rows, written at the step's positions, as a host does."""
+
+    def __init__(self, spec: dict, dtype):
+        self.caches = {name: np.zeros(spec["shape"], dtype) for name in spec["inputs"]}
+
+    def feeds(self, inputs: dict) -> dict:
+        for name, cache in self.caches.items():
+            if name in inputs:
+                cache[:, :, :inputs[name].shape[2]] = inputs[name]
+        return {k: v for k, v in inputs.items() if k not in self.caches} | self.caches
+
+    def write(self, inputs: dict, want: dict) -> None:
+        p0, t = int(inputs["position_ids"][0, 0]), inputs["position_ids"].shape[1]
+        for name, cache in self.caches.items():
+            cache[:, :, p0:p0 + t] = want[name.removeprefix("past_")]
 
 
 def _onnxruntime(path: Path):
@@ -67,11 +91,19 @@ RUNTIMES = {"onnxruntime": _onnxruntime, "openvino-cpu": _openvino}
 def verify_graph(bundle: Path, graph: dict, runtime: str) -> dict:
     try:
         run = RUNTIMES[runtime](bundle / graph["file"])
-        errors = [compare(run(inputs), want, live) for inputs, want, live in golden_steps(bundle / graph["golden"])]
+        steps = golden_steps(bundle / graph["golden"])
+        host = HostCache(graph["host_cache"], steps[0][0]["attention_mask"].dtype) if "host_cache" in graph else None
+        errors = []
+        for inputs, want, live in steps:
+            errors.append(compare(run(host.feeds(inputs) if host else inputs), want, live))
+            if host:
+                host.write(inputs, want)
     except Exception as e:
         return {"ok": False, "error": _reason(e)}
     err = worst(errors)
-    return {"ok": close(err, graph["tolerance"]), **err, "steps": len(errors)}
+    top1 = [e["top1"] for e in errors if "top1" in e]
+    return {"ok": close(err, graph["tolerance"]), **err, "steps": len(errors),
+            **({"top1_agreement": float(np.mean(top1))} if top1 else {})}
 
 
 def _reason(e: Exception) -> str:
@@ -104,6 +136,8 @@ def verify(bundle: str | Path, log=print) -> bool:
             status = "pass" if r["ok"] else ("FAIL" if expected else "not accepted (as the manifest says)")
             detail = f"max abs {r['max_abs']:.2e}, rel {r['max_rel']:.2e} over {r['steps']} step(s)" if "steps" in r \
                 else r["error"]
+            if "top1_agreement" in r:
+                detail += f", greedy top-1 {r['top1_agreement']:.0%}"
             log(f"{status:5s} {runtime:12s} {graph['file']}: {detail}")
             ok &= r["ok"] or not expected
     return ok

@@ -33,7 +33,7 @@ def test_minimind_preset_is_the_issue_config():
     c = preset("minimind")
     assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta, c.qk_norm,
             c.capacity, c.chunk, c.batch, c.dtype) == (768, 8, 4, 96, 1e6, True, 2048, 128, 1, "fp32")
-    assert c.n_rep == 2 and c.ffn_size == 2048  # MiniMind: 64 * ceil(768 * 8 / 3 / 64)
+    assert c.n_rep == 2 and c.ffn_size == 2432  # MiniMind: 64 * ceil(768 * pi / 64)
 
 
 def test_config_round_trips_through_dict():

@@ -93,12 +93,24 @@ def test_output_folder_that_cannot_be_written(tmp_path):
     (["--chunk", "4096"], "error: config field chunk=4096: expected at most capacity=64"),
     (["--weights", "/nonexistent.pt"], "error: weights file /nonexistent.pt: not found"),
 ])
-def test_cli_errors_are_one_line(args, message, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "export", "--preset", "tiny", "--out", str(tmp_path / "o"), *args],
-                         cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 1
-    assert res.stderr.strip() == res.stderr.strip().splitlines()[0] and res.stderr.startswith(message), res.stderr
+def test_cli_errors_are_one_line(args, message, tmp_path, capsys):
+    status, err = cli("export", ["--preset", "tiny", "--out", str(tmp_path / "o"), *args], capsys)
+    assert status == 1
+    assert err.strip() == err.strip().splitlines()[0] and err.startswith(message), err
     assert not (tmp_path / "o").exists()
+
+
+def cli(module: str, argv: list[str], capsys) -> tuple[int, str]:
+    """`python -m module argv` in this process (what the subprocess tests below do once end to end):
+    (exit status, stderr)."""
+    import importlib
+    entry = importlib.import_module(module if module in ("passes.lint", "runtime.verify", "runtime.generate", "export.handoff")
+                                    else f"{module}.__main__")
+    try:
+        status = entry.main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        status = e.code
+    return status, capsys.readouterr().err
 
 
 def test_killed_export_leaves_the_old_folder_whole(tmp_path):
@@ -130,7 +142,19 @@ def test_killed_export_leaves_the_old_folder_whole(tmp_path):
     (["passes.lint", "a.onnx", "--profile", "qnn"], "error: argument --profile: invalid choice: 'qnn'"),
     (["runtime.verify"], "error: the following arguments are required: bundle"),
     (["export.handoff", "--kinds", "mlp"], "error: argument --kinds: invalid choice: 'mlp'"),
+    (["runtime.generate", "x", "--prompt-ids", "1", "--target", "tpu"], "error: argument --target: invalid choice"),
 ])
-def test_usage_errors_are_one_line(argv, message):
-    res = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 2 and res.stderr.startswith(message) and res.stderr.count("\n") == 1, res.stderr
+def test_usage_errors_are_one_line(argv, message, capsys):
+    status, err = cli(argv[0], argv[1:], capsys)
+    assert status == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, status, message", [
+    (["export", "--preset", "nope"], 2, "error: argument --preset: invalid choice: 'nope'"),
+    (["export", "--preset", "tiny", "--weights", "/nonexistent.pt"], 1, "error: weights file /nonexistent.pt: not found"),
+])
+def test_python_m_entry_points(argv, status, message, tmp_path):
+    """The same, end to end as a user runs it."""
+    res = subprocess.run([sys.executable, "-m", *argv, "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert res.returncode == status and res.stderr.startswith(message) and res.stderr.count("\n") == 1, res.stderr

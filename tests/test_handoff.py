@@ -27,6 +27,8 @@ def test_bundle_contents(bundle):
     for kind in ("attention", "block"):
         assert {f"{kind}-fp32/{s}.{t}.onnx" for s in ("prefill", "decode") for t in ("npu", "onnx")} <= files
         assert {f"{kind}-fp16/{s}.npu.onnx" for s in ("prefill", "decode")} <= files
+    assert {f"lm-{d}/{s}.npu.onnx" for s in ("prefill", "decode") for d in ("fp32", "fp16")} <= files
+    assert (bundle / "lm-fp32/weights.data").is_file() and m["contract"]["lm_npu"]["outputs"].startswith("logits")
     assert all((bundle / g["golden"]).exists() for g in m["graphs"])
     assert json.loads((bundle / "lint.json").read_text()) == {g["file"]: [] for g in m["graphs"]}
     assert m["contract"]["npu"]["mask_value"] == -30000.0 and m["contract"]["npu"]["opset"] == 17
@@ -35,6 +37,11 @@ def test_bundle_contents(bundle):
     assert "openvino-cpu: `onnx` no, `npu` yes" in (bundle / "README.md").read_text()
     golden = np.load(bundle / "attention-fp32/decode.npu.golden.npz")
     assert int(golden["steps"]) == 8 and golden["in.0.position_ids"].dtype == np.int32
+    lm = np.load(bundle / "lm-fp32/decode.npu.golden.npz")  # token ids in, greedy tokens stored, caches left out
+    assert lm["in.0.input_ids"].dtype == np.int32 and lm["out.0.greedy"].shape == (1, 1)
+    past = [k for k in lm.files if "past_" in k]  # but the prompt chunk's rows, which the decode steps read
+    assert len(past) == 4 and all(k.startswith("in.0.") and lm[k].shape == (1, 2, 16, 16) for k in past)
+    assert lm["out.7.key.1"].shape == (1, 2, 1, 16)
 
 
 def test_verify_needs_only_the_bundle(bundle):
@@ -44,8 +51,9 @@ def test_verify_needs_only_the_bundle(bundle):
     res = subprocess.run([sys.executable, "-c", code, str(bundle)], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
-    assert sum(line.startswith("pass  onnxruntime") for line in lines) == 12
-    assert sum(line.startswith("pass  openvino-cpu") for line in lines) == 8
+    assert sum(line.startswith("pass  onnxruntime") for line in lines) == 16
+    assert sum(line.startswith("pass  openvino-cpu") for line in lines) == 12
+    assert [line for line in lines if "lm-fp32/decode.npu.onnx" in line][0].endswith("greedy top-1 100%")
 
 
 def test_verify_catches_a_wrong_golden(bundle, tmp_path, capsys):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.generate import HostCacheGenerator
+from runtime.drivers import HostCacheGenerator
 from runtime.parity import TOLERANCE, sequence_parity, step_parity, within
 
 CONFIGS = {
@@ -110,14 +110,15 @@ def test_npu_causality_stale_rows_change_nothing(exported):
     """The host's mask hides cache rows at and after p0. It is additive and finite (fp16-safe), so it hides
     rows whose scores stay far below |MASK_VALUE| = 3e4: any real K row (here 10x a unit K) qualifies."""
     gen = exported().generator("npu")
-    x = np.random.default_rng(1).standard_normal((1, gen.chunk, gen.hidden)).astype(np.float32)
-    gen.keys[...] = np.random.default_rng(2).standard_normal(gen.keys.shape)
-    gen.values[...] = np.random.default_rng(3).standard_normal(gen.values.shape)
+    keys, values = gen.caches["past_key"], gen.caches["past_value"]
+    x = np.random.default_rng(1).standard_normal((1, gen.chunk, *gen.features)).astype(np.float32)
+    keys[...] = np.random.default_rng(2).standard_normal(keys.shape)
+    values[...] = np.random.default_rng(3).standard_normal(values.shape)
     base = gen.run_step("prefill", x, 20)
-    stale = np.random.default_rng(4).standard_normal(gen.keys[:, :, 20:].shape)
-    gen.keys[:, :, 20:], gen.values[:, :, 20:] = 10 * stale, -3e4
+    stale = np.random.default_rng(4).standard_normal(keys[:, :, 20:].shape)
+    keys[:, :, 20:], values[:, :, 20:] = 10 * stale, -3e4
     assert np.array_equal(gen.run_step("prefill", x, 20), base)
-    gen.values[:, :, 19] += 5.0  # a row every query sees
+    values[:, :, 19] += 5.0  # a row every query sees
     assert np.abs(gen.run_step("prefill", x, 20) - base).max() > 1e-2
 
 

@@ -1,0 +1,75 @@
+"""One external-data file for every graph of an export: each distinct weight stored once.
+
+The whole model's graphs (two steps x four targets) hold the same weights, most of them
+byte for byte: each tensor above a small size goes into `weights.data` once, at an offset
+every graph that holds it points to (the ONNX external-data convention, which onnxruntime
+and the onnx checker read). A tied lm_head whose graph holds a transposed copy of the
+embedding (the exporter folds `x @ E^T` into a constant E^T) points back at the embedding
+through a Transpose instead, which onnxruntime folds when it loads the graph.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+NAME = "weights.data"
+INLINE_BYTES = 1024  # smaller tensors stay in the graph file
+ALIGN = 4096  # page-aligned offsets, so runtimes can map the file
+
+
+class WeightsFile:
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self._file = open(self.folder / NAME, "wb")
+        self._stored: dict[bytes, tuple[int, int]] = {}
+
+    def externalize(self, model: ir.Model) -> None:
+        """Point every large initializer of `model` at its bytes in the shared file (written on first sight)."""
+        _share_transposes(model)
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if tensor is None or tensor.nbytes < INLINE_BYTES or isinstance(tensor, ir.ExternalTensor):
+                continue
+            data = tensor.tobytes()
+            key = hashlib.sha256(data).digest()
+            if key not in self._stored:
+                offset = -self._file.tell() % ALIGN + self._file.tell()
+                self._file.write(b"\0" * (offset - self._file.tell()))
+                self._file.write(data)
+                self._stored[key] = (offset, len(data))
+            offset, length = self._stored[key]
+            value.const_value = ir.ExternalTensor(NAME, offset=offset, length=length, dtype=tensor.dtype,
+                                                  shape=tensor.shape, name=value.name, base_dir=self.folder)
+        self._file.flush()  # the graph is loaded and checked before the next one is written
+
+    def close(self) -> int:
+        """Flush the file; returns its size in bytes."""
+        self._file.close()
+        return (self.folder / NAME).stat().st_size
+
+
+def _share_transposes(model: ir.Model) -> None:
+    """An initializer that is exactly another's transpose becomes Transpose(that one)."""
+    graph = model.graph
+    matrices = [v for v in graph.initializers.values() if v.const_value is not None
+                and len(v.const_value.shape) == 2 and v.const_value.nbytes >= INLINE_BYTES]
+    by_shape = {}
+    for v in matrices:
+        by_shape.setdefault((v.const_value.dtype, tuple(v.const_value.shape)), []).append(v)
+    first, replaced = next(iter(graph), None), set()
+    for v in matrices:
+        rows, cols = v.const_value.shape
+        for source in by_shape.get((v.const_value.dtype, (cols, rows)), []):
+            if source is v or id(source) in replaced or not v.uses() \
+                    or not np.array_equal(v.const_value.numpy(), source.const_value.numpy().T):
+                continue
+            replaced.add(id(v))
+            node = ir.node("Transpose", [source], attributes={"perm": [1, 0]}, name=f"{v.name}/tied")
+            node.outputs[0].name, node.outputs[0].shape, node.outputs[0].type = f"{v.name}/tied", v.shape, v.type
+            graph.insert_before(first, node)
+            v.replace_all_uses_with(node.outputs[0])
+            graph.initializers.pop(v.name)
+            break

@@ -1,0 +1,133 @@
+"""Whole-model checkpoints for the LM: a MiniMind `.pth` state dict as its training scripts save it, or a
+Hugging Face folder (`config.json` + `model.safetensors`, or shards listed in `model.safetensors.index.json`)
+of a MiniMind or Qwen3ForCausalLM model, whose dims come from its `config.json`.
+
+Both name parameters as our LM does (`model.embed_tokens.weight`, `model.layers.N.*`, `model.norm.weight`,
+`lm_head.weight`, which tied checkpoints may leave out). Anything that does not fit is one WeightsError
+naming it: a missing, unexpected or mis-shaped key, or a config this model is not (MoE, attention biases,
+another activation, scaled RoPE, sliding windows).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from .config import AttentionConfig
+from .weights import WeightsError, _read, fit_
+
+MODEL_TYPES = ("qwen3", "minimind")
+
+
+def config_from_folder(folder: str | Path, base: AttentionConfig) -> AttentionConfig:
+    """`base` (capacity, chunk, batch, dtype) with the model's dims read from the folder's config.json."""
+    path = Path(folder) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: not found; expected a Hugging Face model folder with config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+    kind = cfg.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise WeightsError(f"{path}: model_type {kind!r}; expected one of {', '.join(MODEL_TYPES)} "
+                           "(MiniMind's causal LM, or Qwen3ForCausalLM: the same architecture)")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    unsupported = [what for what, bad in (
+        ("mixture of experts (use_moe / num_experts)", cfg.get("use_moe") or cfg.get("num_experts")),
+        ("attention biases (attention_bias)", cfg.get("attention_bias")),
+        (f"activation {cfg.get('hidden_act')!r}", cfg.get("hidden_act", "silu") != "silu"),
+        (f"RoPE type {rope.get('rope_type', rope.get('type'))!r}", rope.get("rope_type", rope.get("type", "default")) != "default"),
+        ("sliding-window attention (use_sliding_window)", cfg.get("use_sliding_window")),
+    ) if bad]
+    if unsupported:
+        raise WeightsError(f"{path}: unsupported config: {'; '.join(unsupported)}; expected a dense model with "
+                           "SwiGLU, unbiased projections and plain RoPE")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size") if k not in cfg]
+    if missing:
+        raise WeightsError(f"{path}: no {', '.join(missing)}; expected the model's dims in config.json")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    return base.replace(
+        hidden_size=hidden, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        intermediate_size=cfg.get("intermediate_size") or 64 * math.ceil(hidden * math.pi / 64),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
+        vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), qk_norm=True)
+
+
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_dir():
+        return _read(path)
+    from safetensors.torch import load_file
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise WeightsError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise WeightsError(f"{path}: no model.safetensors or model.safetensors.index.json; expected a Hugging Face "
+                           "model folder")
+    state = {}
+    for name in files:
+        try:
+            state |= load_file(str(path / name))
+        except Exception as e:
+            raise WeightsError(f"{path / name}: cannot be read as safetensors ({str(e).strip()[:160]})") from None
+    return state
+
+
+def load_lm_(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
+    """Copy a whole-model checkpoint into `model` (a MiniMindForCausalLM), or fail naming what does not fit."""
+    state = read_checkpoint(path)
+    embed, head = state.get("model.embed_tokens.weight"), state.get("lm_head.weight")
+    if model.config.tie_embeddings and embed is not None:
+        if head is not None and not torch.equal(head, embed):
+            raise WeightsError(f"checkpoint {path}: lm_head.weight differs from model.embed_tokens.weight, but the "
+                               "config ties them; expected tie_word_embeddings false for this checkpoint")
+        state["lm_head.weight"] = embed
+    return fit_(model, state, f"checkpoint {path}")
+
+
+def folder_extras(folder: str | Path) -> dict:
+    """What a generation loop wants from a Hugging Face folder besides weights: end-of-sequence ids
+    (config.json or generation_config.json) and the tokenizer file, where they exist."""
+    folder, eos = Path(folder), []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((folder / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if value is not None:
+            eos = sorted(set(value if isinstance(value, list) else [value]))
+            break
+    tokenizer = folder / "tokenizer.json"
+    return {"eos_token_ids": eos, "tokenizer": tokenizer if tokenizer.is_file() else None}
+
+
+def save_hf_folder(model: torch.nn.Module, folder: str | Path, model_type: str = "qwen3") -> Path:
+    """Write the LM as a Hugging Face folder (config.json + model.safetensors) of a Qwen3ForCausalLM (or a
+    MiniMind model): what other tools, onnxruntime-genai's model builder among them, load."""
+    from safetensors.torch import save_file
+    c, folder = model.config, Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["Qwen3ForCausalLM" if model_type == "qwen3" else "MiniMindForCausalLM"],
+              "model_type": model_type, "hidden_size": c.hidden_size, "num_attention_heads": c.num_heads,
+              "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "intermediate_size": c.ffn_size,
+              "num_hidden_layers": c.num_layers, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_eps,
+              "rope_theta": c.rope_theta, "rope_scaling": None, "tie_word_embeddings": c.tie_embeddings,
+              "hidden_act": "silu", "attention_bias": False, "max_position_embeddings": max(c.capacity, 32768),
+              "torch_dtype": "float16" if c.dtype == "fp16" else "float32"}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if c.tie_embeddings:
+        state.pop("lm_head.weight")  # safetensors keeps one copy of a tied tensor; loaders re-tie it
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -1,0 +1,191 @@
+"""Generation-style drivers: chunked prefill, then decode steps, over caches the runtime owns.
+
+A driver reads everything it needs from the step graphs' specs: what a step takes first
+(hidden states [B, T, E] for a block, token ids [B, T] for the whole model), T, and every
+cache pair (`past_key`/`past_value`, or `past_key.i`/`past_value.i` for each of the LM's
+layers).
+
+`Generator` keeps the caches in onnxruntime buffers on the session's device (host memory on
+CPU, GPU memory on CUDA), bound with IO binding, so no cache byte crosses to the host and
+nothing is allocated per step. Graphs that update the cache in place (TensorScatter,
+GroupQueryAttention) get one buffer per cache bound as both past_* and present_*; others read
+past_* from one set and write present_* into a second, and the sets swap each step.
+
+`HostCacheGenerator` drives `npu` graphs, which return only the new rows: the host keeps
+the caches, builds the mask, and writes the rows back.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from .session import FeedError, StepSession
+
+
+class Driver:
+    """Prompt chunking and decode positions over two step sessions; subclasses own the caches."""
+
+    def __init__(self, prefill: StepSession, decode: StepSession):
+        self.prefill_session, self.decode_session = prefill, decode
+        first = prefill.inputs[0]
+        self.input_name, self.input_dtype = first["name"], np.dtype(first["dtype"])
+        self.batch, self.chunk, *self.features = first["shape"]
+        self.past = [s["name"] for s in prefill.inputs if s["name"].startswith("past_")]
+        self.cache_shape = prefill.spec(self.past[0])["shape"]
+        self.cache_dtype = np.dtype(prefill.spec(self.past[0])["dtype"])
+        self.capacity = self.cache_shape[2]
+        self.output_name = prefill.outputs[0]["name"]
+        self.position = 0
+
+    def reset(self) -> None:
+        """Start a new sequence; old rows need no clearing, as a query only sees rows <= its position."""
+        self.position = 0
+
+    def _check_prompt(self, x: np.ndarray) -> None:
+        if x.ndim != 2 + len(self.features) or x.shape[0] != self.batch or list(x.shape[2:]) != self.features:
+            want = ", ".join(str(d) for d in [self.batch, "L", *self.features])
+            raise FeedError(f"prompt: shape {list(x.shape)}; expected [{want}]")
+        start, end = self.position, self.position + x.shape[1]
+        if not start < end <= self.capacity:
+            raise FeedError(f"prompt: length {x.shape[1]} at position {start}; expected 1..{self.capacity - start} "
+                            f"to fit the cache capacity {self.capacity}")
+
+    def prefill(self, x: np.ndarray) -> np.ndarray:
+        """Run a prompt [B, L, ...] in chunks of T from the current position; returns every position's output.
+
+        The last chunk is right-padded and its padded outputs dropped. A tail whose padded chunk
+        would run past the cache goes through decode steps instead.
+        """
+        self._check_prompt(x)
+        start = self.position
+        outputs = [self._chunk(x[:, a - start:b - start], a)[:, :b - a] for a, b in self._spans(start, start + x.shape[1])]
+        return np.concatenate(outputs, axis=1)
+
+    def feed(self, x: np.ndarray) -> np.ndarray:
+        """Run a prompt [B, L, ...] so that its last element is the last row of a step; returns that step's output
+        (the whole model's: the logits after the prompt).
+
+        Chunks end at the prompt's end: a partial chunk goes first (right-padded; the next chunk overwrites
+        its padded cache rows before any query reads them), and a prompt shorter than T is a padded chunk
+        of all but its last element, then a decode step.
+        """
+        self._check_prompt(x)
+        start, length = self.position, x.shape[1]
+        if length < self.chunk:
+            spans = self._spans(start, start + length - 1) if length > 1 else []
+            spans.append((start + length - 1, start + length))
+        else:
+            rest = length % self.chunk
+            spans = [(start, start + rest)] * bool(rest) + self._spans(start + rest, start + length)
+        for a, b in spans:
+            out = self._chunk(x[:, a - start:b - start], a)
+        return out
+
+    def _spans(self, start: int, end: int) -> list[tuple[int, int]]:
+        return [(a, min(a + self.chunk, end)) for a in range(start, end, self.chunk)]
+
+    def _chunk(self, piece: np.ndarray, p0: int) -> np.ndarray:
+        """Positions p0 .. p0 + n - 1: one prefill step (padded), or decode steps where a padded chunk would run
+        past the cache (or for a single element); returns the step outputs and moves `position` past them."""
+        n = piece.shape[1]
+        if n == 1 or p0 + self.chunk > self.capacity:
+            self.position = p0
+            return np.concatenate([self.decode(piece[:, i:i + 1]) for i in range(n)], axis=1) if n > 1 \
+                else self.decode(piece)
+        if n < self.chunk:
+            pad = np.zeros((self.batch, self.chunk - n, *self.features), piece.dtype)
+            piece = np.concatenate([piece, pad], axis=1)
+        out = self._step(self.prefill_session, piece, p0)
+        self.position = p0 + n
+        return out
+
+    def decode(self, x: np.ndarray) -> np.ndarray:
+        """One element [B, 1, ...] at the current position; returns its output."""
+        if self.position >= self.capacity:
+            raise FeedError(f"decode: position {self.position} is past the cache; expected < capacity {self.capacity}")
+        out = self._step(self.decode_session, x, self.position)
+        self.position += 1
+        return out
+
+    def run_step(self, step: str, x: np.ndarray, p0: int) -> np.ndarray:
+        """One prefill or decode step at absolute position p0 over the runtime's caches, leaving
+        `position` alone: what a benchmark repeats to time a step at a given cache fill."""
+        return self._step(self.prefill_session if step == "prefill" else self.decode_session, x, p0)
+
+    def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _inputs(self, session: StepSession, x: np.ndarray, p0: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the step's input, position_ids) for a step at p0, checked against the graph; token ids are taken
+        in any integer type (npu graphs read int32)."""
+        t = session.spec("position_ids")["shape"][1]
+        dtype = np.dtype(session.spec("position_ids")["dtype"])
+        position_ids = np.broadcast_to(np.arange(p0, p0 + t, dtype=dtype), (self.batch, t)).copy()
+        if isinstance(x, np.ndarray) and x.dtype.kind in "iu" and self.input_dtype.kind == "i":
+            x = x.astype(self.input_dtype, copy=False)
+        session.check_input(self.input_name, x)
+        session.check_input("position_ids", position_ids)
+        return x, position_ids
+
+
+class Generator(Driver):
+    def __init__(self, prefill: StepSession, decode: StepSession):
+        super().__init__(prefill, decode)
+        device = "cuda" if prefill.on_cuda else "cpu"
+        # Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite.
+        # One array per buffer: on CPU an OrtValue wraps its numpy array's memory.
+        new_set = lambda: [ort.OrtValue.ortvalue_from_numpy(np.zeros(self.cache_shape, self.cache_dtype), device, 0)  # noqa: E731
+                           for _ in self.past]
+        self.in_place = prefill.cache_in_place and decode.cache_in_place
+        self._past = new_set()
+        self._present = self._past if self.in_place else new_set()
+        self._bindings = {}  # one IO binding per session, kept across steps
+        for session in (prefill, decode):
+            binding = self._bindings[id(session)] = session.session.io_binding()
+            binding.bind_output(self.output_name, "cpu")
+            self._bind_cache(binding)
+
+    def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
+        x, position_ids = self._inputs(session, x, p0)
+        binding = self._bindings[id(session)]
+        binding.bind_cpu_input(self.input_name, np.ascontiguousarray(x))
+        binding.bind_cpu_input("position_ids", position_ids)
+        if not self.in_place:
+            self._bind_cache(binding)
+        session.session.run_with_iobinding(binding)
+        if not self.in_place:
+            self._past, self._present = self._present, self._past
+        return binding.get_outputs()[0].numpy().copy()  # the binding reuses its output buffer next step
+
+    def _bind_cache(self, binding) -> None:
+        for name, past, present in zip(self.past, self._past, self._present):
+            binding.bind_ortvalue_input(name, past)
+            binding.bind_ortvalue_output("present_" + name.removeprefix("past_"), present)
+
+
+class HostCacheGenerator(Driver):
+    """The graph sees the caches [B, Hkv, C, D] and attention_mask [B, 1, T, C+T]: cache row j is visible
+    to every query iff j < p0 (rows the host wrote before this step), and new row t' to query t iff
+    t' <= t. Masked entries hold `mask_value`. The graph returns each cache's new rows (key, or key.i)."""
+
+    def __init__(self, prefill: StepSession, decode: StepSession, mask_value: float):
+        super().__init__(prefill, decode)
+        self.mask_value = mask_value
+        self.caches = {name: np.zeros(self.cache_shape, self.cache_dtype) for name in self.past}
+
+    def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
+        x, position_ids = self._inputs(session, x, p0)
+        t = position_ids.shape[1]
+        mask = host_mask(self.batch, self.capacity, p0, t, self.mask_value, self.cache_dtype)
+        out = session.run({self.input_name: x, "position_ids": position_ids, "attention_mask": mask, **self.caches})
+        for name, cache in self.caches.items():
+            cache[:, :, p0:p0 + t] = out[name.removeprefix("past_")]
+        return out[self.output_name]
+
+
+def host_mask(batch: int, capacity: int, p0: int, t: int, mask_value: float, dtype) -> np.ndarray:
+    """The npu step's attention_mask [B, 1, T, C+T]: 0 where visible, `mask_value` elsewhere."""
+    visible = np.concatenate([np.broadcast_to(np.arange(capacity) < p0, (t, capacity)),
+                              np.tril(np.ones((t, t), bool))], axis=1)
+    mask = np.where(visible, 0.0, mask_value).astype(dtype)
+    return np.broadcast_to(mask, (batch, 1, t, capacity + t)).copy()
