@@ -21,12 +21,13 @@ from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
 from export import export_model
 from runtime.cli import Parser, run
-from models import preset
+from models import build_model, preset
 
 from .engines import ENGINES
 from .limits import gemm_rate, read_bandwidth
+from .peers import build_genai
 from .report import write_markdown, write_plot
-from .workloads import workloads
+from .workloads import GENAI, KINDS, workloads
 
 TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
           "quick": {"min_reps": 8, "min_seconds": 0.2, "max_seconds": 1.0}}
@@ -43,20 +44,24 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
-def prepare(config, kind: str, folder: Path) -> Path:
-    """Export the model's raw/onnx/ort graphs and the raw graph through optimize_for_ort, unless
-    this config was exported by this code already."""
+def prepare(config, kind: str, folder: Path) -> dict[str, Path]:
+    """Export the model's graphs and the raw graph through optimize_for_ort, and for the whole model
+    onnxruntime-genai's builds of the same weights, unless this config was prepared by this code already.
+    Returns the folders each engine reads."""
+    folders = {kind: folder} | ({name: folder / name for name in GENAI} if kind == "lm" else {})
     stamp = folder / "fingerprint"
     fingerprint = json.dumps({"config": config.to_dict(), "code": code_fingerprint()})
     if stamp.exists() and stamp.read_text() == fingerprint:
-        return folder
+        return folders
     export_model(config, folder, kind=kind, log=lambda *_: None)
     for step in ("prefill", "decode"):
         model = ir.load(folder / f"{step}.raw.onnx")
         optimize_for_ort(model)
         ir.save(model, folder / f"{step}.onnxscript.onnx")
+    if kind == "lm":
+        build_genai(build_model(config, "lm", seed=0), folder)
     stamp.write_text(fingerprint)
-    return folder
+    return folders
 
 
 def machine(threads: int) -> dict:
@@ -90,20 +95,24 @@ def run_engine(engine: str, config, folders: dict, jobs: list, threads: int, tim
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="decode@1024 and prefill@0 only, fewer repetitions -> quick.json")
+    p.add_argument("--quick", action="store_true", help="decode@1024 and prefill@0, and lm/decode@1024 and lm/prefill@128 "
+                   "for torch-eager, ort-ort and genai, fewer repetitions -> quick.json")
     p.add_argument("--preset", default="minimind", help="model config [minimind]")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every engine [all cores]")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES, help="engines to run [all]")
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="workload families to run [all]")
     p.add_argument("--out", default="benchmarks", help="output folder [benchmarks]")
     return run(bench, p.parse_args(argv))
 
 
 def bench(args) -> int:
     config, out = preset(args.preset), Path(args.out)
-    jobs = workloads(config, args.quick)
-    total = len(jobs) * len(args.engines)
+    jobs = [w for w in workloads(config, args.quick) if w.kind in args.kinds]
+    total = sum(e in w.engines for w in jobs for e in args.engines)
     print(f"exporting {args.preset} graphs ...", flush=True)
-    folders = {kind: prepare(config, kind, out / ".work" / f"{args.preset}-{kind}") for kind in {w.kind for w in jobs}}
+    folders = {}
+    for kind in dict.fromkeys(w.kind for w in jobs):
+        folders |= prepare(config, kind, out / ".work" / f"{args.preset}-{kind}")
     print("measuring the machine's limits ...", flush=True)
     bandwidth = {w.name: read_bandwidth(w.working_set(config), args.threads) for w in jobs if w.step == "decode"}
     limits = {"gemm_flops": gemm_rate(args.threads), "read_bandwidth_bytes_per_s": bandwidth}
@@ -116,7 +125,8 @@ def bench(args) -> int:
         print(f"[{done:3d}/{total}] {row['engine']:15s} {row['workload']:22s} {what}", flush=True)
 
     for engine in args.engines:
-        results += run_engine(engine, config, folders, jobs, args.threads, TIMING["quick" if args.quick else "full"], log)
+        mine = [w for w in jobs if engine in w.engines]
+        results += run_engine(engine, config, folders, mine, args.threads, TIMING["quick" if args.quick else "full"], log)
     by_name = {w.name: w for w in jobs}
     for row in results:
         w = by_name[row["workload"]]

@@ -1,11 +1,14 @@
-"""The engines: eager PyTorch three ways, and onnxruntime on four graphs of the same model.
+"""The engines: eager PyTorch three ways, onnxruntime on four graphs of the same model, and for the whole
+model onnxruntime-genai (its model builder's fp32 and int4 builds of the same weights).
 
-Every engine runs the same step (same weights, seed 0) with the same thread count;
-onnxruntime engines run through the runtime's Generator, whose cache stays bound in place
-between steps exactly as in a user's decode loop.
+Every engine runs the same step (same weights, seed 0) with the same thread count.
+onnxruntime engines run through the runtime's Generator, whose caches stay bound in place
+between steps exactly as in a user's decode loop. For the whole model the eager engines run
+MiniMind's own concatenating cache (`forward_cat`), and genai its own generator.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +20,9 @@ from runtime.artifacts import open_step
 from runtime.drivers import Generator
 from runtime.session import StepSession
 
-from .workloads import Workload
+from .workloads import GENAI, ORT, TORCH, Workload
 
-ENGINES = ("torch-eager", "torch-sdpa", "torch-compile", "ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort")
+ENGINES = TORCH + ORT + GENAI
 
 
 class Unavailable(RuntimeError):
@@ -35,17 +38,31 @@ class Engine:
         torch.set_num_threads(threads)
 
     def runner(self, w: Workload):
-        """A no-argument callable running the workload's step once."""
+        """A no-argument callable running the workload once."""
+        if self.name not in w.engines:
+            raise Unavailable(f"{self.name} does not run {w.kind} workloads")
         if self.name.startswith("torch"):
             return self._torch_runner(w)
-        target = self.name.removeprefix("ort-")
-        gen = self._generator(w.kind, target)
-        x = example_inputs(self.config, w.seq_len(self.config), w.p0)[0].numpy()
+        if self.name.startswith("genai"):
+            return self._genai_runner(w)
+        gen = self._generator(w.kind, self.name.removeprefix("ort-"))
+        x = self._inputs(w)[0].numpy()
+        if w.kind == "lm" and w.step == "prefill":  # time to first token: the whole prompt, fed in chunks
+            return lambda: (gen.reset(), gen.feed(x))[1]
         return lambda: gen.run_step(w.step, x, w.p0)
+
+    def _inputs(self, w: Workload) -> tuple:
+        return example_inputs(self.config, w.seq_len(self.config), w.start(), kind="lm" if w.kind == "lm" else "attention")
 
     def _torch_runner(self, w: Workload):
         model = self._torch_model(w.kind)
-        args = example_inputs(self.config, w.seq_len(self.config), w.p0)
+        args = self._inputs(w)
+        if w.kind == "lm":  # MiniMind's concatenating cache, holding p0 rows before a decode step
+            ids, pos = args[:2]
+            past = None if w.step == "prefill" else [
+                tuple(torch.randn(self.config.batch, w.p0, self.config.num_kv_heads, self.config.head_dim,
+                                  dtype=self.config.torch_dtype) for _ in range(2)) for _ in range(self.config.num_layers)]
+            args = (ids, pos, past)
 
         def run():
             with torch.inference_mode():
@@ -55,9 +72,8 @@ class Engine:
     def _torch_model(self, kind: str):
         if kind not in self._models:
             model = build_model(self.config.replace(sdpa=self.name == "torch-sdpa"), kind, seed=0)
-            if self.name == "torch-compile":
-                model = torch.compile(model, dynamic=False)
-            self._models[kind] = model
+            step = model.forward_cat if kind == "lm" else model
+            self._models[kind] = torch.compile(step, dynamic=False) if self.name == "torch-compile" else step
         return self._models[kind]
 
     def _generator(self, kind: str, target: str) -> Generator:
@@ -73,13 +89,42 @@ class Engine:
             self._generators[kind, target] = Generator(*sessions)
         return self._generators[kind, target]
 
+    def _genai_runner(self, w: Workload):
+        import onnxruntime_genai as og
+        if (w.kind, self.name) not in self._models:
+            config = og.Config(str(self.folders[self.name]))
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+                "intra_op_num_threads": self.threads, "inter_op_num_threads": 1}}}}))
+            self._models[w.kind, self.name] = og.Model(config)
+        model = self._models[w.kind, self.name]
+        ids = self._inputs(w)[0].numpy()[0].astype(np.int32)
+        prompt = ids if w.step == "prefill" else \
+            np.random.default_rng(0).integers(0, self.config.vocab_size, w.p0).astype(np.int32)
+
+        def generator():
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=len(prompt) + 2, do_sample=False)
+            gen = og.Generator(model, params)
+            gen.append_tokens(prompt)
+            return gen
+        if w.step == "prefill":  # time to first token: a generator reading the prompt
+            return lambda: generator().get_logits()
+        gen = generator()  # then one token at context p0, again and again
+
+        def decode():
+            gen.generate_next_token()
+            gen.rewind_to(w.p0)
+        return decode
+
 
 def warm_check(engine: Engine, w: Workload) -> None:
     """Run once, turning a failure (e.g. torch.compile without a working compiler) into Unavailable."""
     try:
         out = engine.runner(w)()
+    except Unavailable:
+        raise
     except Exception as e:
         raise Unavailable(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}") from None
-    first = out[0] if isinstance(out, tuple) else out
-    if not np.isfinite(np.asarray(first.float() if isinstance(first, torch.Tensor) else first)).all():
+    first = out[0] if isinstance(out, tuple) else out  # the output or logits; None where the engine keeps them
+    if first is not None and not np.isfinite(np.asarray(first.float() if isinstance(first, torch.Tensor) else first)).all():
         raise Unavailable("produced non-finite output")

@@ -10,21 +10,25 @@ import collections
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from models import preset
 from runtime.cli import Parser, run
 
 from .engines import Engine
-from .workloads import workloads
+from .workloads import KINDS, workloads
 
-RUNS = 200
+RUNS, SECONDS = 200, 10.0
 
 
 def profile(engine: Engine, workload) -> str:
     run = engine.runner(workload)
+    start = time.perf_counter()
     for _ in range(RUNS):
         run()
+        if time.perf_counter() - start > SECONDS:
+            break
     gen = engine._generator(workload.kind, engine.name.removeprefix("ort-"))
     session = (gen.prefill_session if workload.step == "prefill" else gen.decode_session).session
     trace = session.end_profiling()
@@ -45,7 +49,7 @@ def profile(engine: Engine, workload) -> str:
 def main(argv=None) -> int:
     p = Parser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("engine", choices=["ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort"])
-    p.add_argument("workloads", nargs="+", help="e.g. decode@1024 prefill@0 block/decode@1024")
+    p.add_argument("workloads", nargs="+", help="e.g. decode@1024 prefill@0 block/decode@1024 lm/prefill@128")
     p.add_argument("--preset", default="minimind")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     return run(_profile_all, p.parse_args(argv))
@@ -57,7 +61,7 @@ def _profile_all(args) -> int:
     unknown = [w for w in args.workloads if w not in known]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}: expected some of {', '.join(known)}")
-    folders = {k: Path("benchmarks/.work") / f"{args.preset}-{k}" for k in ("attention", "block")}
+    folders = {k: Path("benchmarks/.work") / f"{args.preset}-{k}" for k in KINDS}
     engine = Engine(args.engine, config, folders, args.threads, profile=True)
     for name in args.workloads:
         print(profile(engine, known[name]) + "\n")

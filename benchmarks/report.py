@@ -31,6 +31,14 @@ def _targets(doc: dict) -> list[str]:
         check(f"ort-onnx {w} vs ort-ort (want <= 1.3x slower)", med("ort-onnx", w), med("ort-ort", w), lambda r: r <= 1.3)
     floor = idx.get(("ort-ort", "decode@1024"), {}).get("floor_ms")
     check("ort-ort decode@1024 vs its bandwidth floor (want <= 1.5x)", med("ort-ort", "decode@1024"), floor, lambda r: r <= 1.5)
+    lm = [w for w in dict.fromkeys(r["workload"] for r in doc["results"]) if w.startswith("lm/")]
+    for w in lm:
+        want = 1.5 if w.startswith("lm/prefill@128") else 1.2 if w.startswith("lm/decode@1024") else 1.0
+        check(f"ort-ort {w} vs genai-fp32 (want >= {want}x faster)", med("genai-fp32", w), med("ort-ort", w),
+              lambda r, want=want: r >= want)
+    for w in (w for w in lm if w.startswith("lm/decode")):
+        floor = idx.get(("ort-ort", w), {}).get("floor_ms")
+        check(f"ort-ort {w} vs its bandwidth floor (want <= 1.3x)", med("ort-ort", w), floor, lambda r: r <= 1.3)
     return lines
 
 
@@ -75,21 +83,23 @@ def write_plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
-    for ax, prefix in zip(axes, ("", "block/")):
+    titles = {"": "attention block", "block/": "decoder block", "lm/": "whole model"}
+    prefixes = [p for p in titles if any(r["workload"].startswith(p + "decode@") for r in doc["results"])]
+    fig, axes = plt.subplots(1, len(prefixes), figsize=(5.5 * len(prefixes), 4.2), sharey=False, squeeze=False)
+    for ax, prefix in zip(axes[0], prefixes):
         for engine in dict.fromkeys(r["engine"] for r in doc["results"]):
             points = sorted((int(r["workload"].split("@")[1]), r["median_ms"]) for r in doc["results"]
                             if r["engine"] == engine and "median_ms" in r
                             and r["workload"].startswith(prefix + "decode@") and (prefix or "/" not in r["workload"]))
             if points:
                 ax.plot(*zip(*points), marker="o", label=engine)
-        ax.set_title(f"{'decoder block' if prefix else 'attention block'}: one decode step")
+        ax.set_title(f"{titles[prefix]}: one decode step")
         ax.set_xlabel("cache fill (position)")
         ax.set_ylabel("median latency, ms")
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

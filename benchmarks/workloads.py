@@ -1,36 +1,65 @@
-"""The workloads, and what each must at least cost: bytes for decode, FLOPs for prefill."""
+"""The workloads, and what each must at least cost: bytes for decode, FLOPs for prefill.
+
+`attention` and `block` workloads time one step: prefill@P is a chunk of T at position P,
+decode@P one token at P. The whole model's (`lm/`) are what a user of generation waits for:
+lm/prefill@N is the time to first token for an N-token prompt (fed in chunks), lm/decode@P
+the time per token with P tokens in the cache.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from models import AttentionConfig
 
-KINDS = ("attention", "block")
+KINDS = ("attention", "block", "lm")
+TORCH = ("torch-eager", "torch-sdpa", "torch-compile")
+ORT = ("ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort")
+GENAI = ("genai-fp32", "genai-int4")
+QUICK_LM = ("torch-eager", "ort-ort", "genai-fp32", "genai-int4")
 
 
 @dataclass(frozen=True)
 class Workload:
-    kind: str      # attention | block
+    kind: str      # attention | block | lm
     step: str      # prefill | decode
-    p0: int        # first position written: the cache holds rows 0..p0-1 before the step
+    p0: int        # the cache holds rows 0..p0-1 before the step; for lm/prefill, the prompt length
+    quick: bool = False
 
     @property
     def name(self) -> str:
-        return ("block/" if self.kind == "block" else "") + f"{self.step}@{self.p0}"
+        return ("" if self.kind == "attention" else f"{self.kind}/") + f"{self.step}@{self.p0}"
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        if self.kind != "lm":
+            return TORCH + ORT
+        return QUICK_LM if self.quick else TORCH + ORT + GENAI
 
     def seq_len(self, c: AttentionConfig) -> int:
-        return c.chunk if self.step == "prefill" else 1
+        """Tokens the workload processes."""
+        if self.step == "decode":
+            return 1
+        return self.p0 if self.kind == "lm" else c.chunk
+
+    def start(self) -> int:
+        """Position of the workload's first token."""
+        return 0 if self.kind == "lm" and self.step == "prefill" else self.p0
 
     def weight_bytes(self, c: AttentionConfig) -> int:
+        """Weights a step reads: the attention's, a block's, or every layer's and the lm_head's (the embedding
+        table is read a row per token, tied or not)."""
         e, qd, kvd = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         params = 2 * e * qd + 2 * e * kvd + (2 * c.head_dim if c.qk_norm else 0)
-        if self.kind == "block":
+        if self.kind != "attention":
             params += 3 * e * c.ffn_size + 2 * e
+        if self.kind == "lm":
+            params = c.num_layers * params + e * c.vocab_size + e
         return params * _elem(c)
 
     def cache_bytes(self, c: AttentionConfig) -> int:
-        """K and V rows a step must read: the live part of the cache, up to and including its own rows."""
-        return 2 * c.batch * c.num_kv_heads * (self.p0 + self.seq_len(c)) * c.head_dim * _elem(c)
+        """K and V rows a step must read: the live part of every cache, up to and including its own rows."""
+        layers = c.num_layers if self.kind == "lm" else 1
+        return 2 * layers * c.batch * c.num_kv_heads * (self.start() + self.seq_len(c)) * c.head_dim * _elem(c)
 
     def working_set(self, c: AttentionConfig) -> int:
         return self.weight_bytes(c) + self.cache_bytes(c)
@@ -38,9 +67,14 @@ class Workload:
     def flops(self, c: AttentionConfig) -> int:
         t, e, d = c.batch * self.seq_len(c), c.hidden_size, c.head_dim
         proj = 2 * t * e * (2 * c.num_heads * d + 2 * c.num_kv_heads * d)
-        attn = 2 * 2 * t * (self.p0 + self.seq_len(c)) * c.num_heads * d  # QK^T and PV over live rows
-        mlp = 2 * t * e * c.ffn_size * 3 if self.kind == "block" else 0
-        return proj + attn + mlp
+        live = self.start() + self.seq_len(c)
+        attn = 2 * 2 * t * live * c.num_heads * d  # QK^T and PV over live rows (prefill from 0: half of it is masked)
+        if self.kind == "lm" and self.step == "prefill":
+            attn //= 2
+        mlp = 2 * t * e * c.ffn_size * 3 if self.kind != "attention" else 0
+        if self.kind != "lm":
+            return proj + attn + mlp
+        return c.num_layers * (proj + attn + mlp) + 2 * c.batch * e * c.vocab_size  # logits of the last position
 
 
 def _elem(c: AttentionConfig) -> int:
@@ -49,8 +83,14 @@ def _elem(c: AttentionConfig) -> int:
 
 def workloads(config: AttentionConfig, quick: bool) -> list[Workload]:
     c, t = config, config.chunk
+    lm_prefill = [min(n, c.capacity) for n in (128, 1024)]
+    lm_decode = [min(n, c.capacity - 1) for n in (128, 1024)]
     if quick:
-        return [Workload("attention", "decode", min(1024, c.capacity - 1)), Workload("attention", "prefill", 0)]
+        return [Workload("attention", "decode", min(1024, c.capacity - 1)), Workload("attention", "prefill", 0),
+                Workload("lm", "decode", lm_decode[1], quick=True), Workload("lm", "prefill", lm_prefill[0], quick=True)]
     points = [("prefill", 0), ("prefill", min(1024, c.capacity - t)), ("decode", min(128, c.capacity - 1)),
               ("decode", min(1024, c.capacity - 1)), ("decode", c.capacity - 1)]
-    return [Workload(kind, step, p0) for kind in KINDS for step, p0 in points]
+    blocks = [Workload(kind, step, p0) for kind in ("attention", "block") for step, p0 in points]
+    lm = [Workload("lm", "prefill", n) for n in dict.fromkeys(lm_prefill)] + \
+        [Workload("lm", "decode", n) for n in dict.fromkeys(lm_decode)]
+    return blocks + lm

@@ -5,7 +5,9 @@ byte for byte: each tensor above a small size goes into `weights.data` once, at 
 every graph that holds it points to (the ONNX external-data convention, which onnxruntime
 and the onnx checker read). A tied lm_head whose graph holds a transposed copy of the
 embedding (the exporter folds `x @ E^T` into a constant E^T) points back at the embedding
-through a Transpose instead, which onnxruntime folds when it loads the graph.
+through a Transpose instead, and a weight that pack_matmuls concatenated from others (the
+`ort` target's q/k/v and gate/up) is a Concat of those: onnxruntime folds both when it
+loads the graph, so the file holds each number once.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class WeightsFile:
     def externalize(self, model: ir.Model) -> None:
         """Point every large initializer of `model` at its bytes in the shared file (written on first sight)."""
         _share_transposes(model)
+        _share_concats(model)
         for value in model.graph.initializers.values():
             tensor = value.const_value
             if tensor is None or tensor.nbytes < INLINE_BYTES or isinstance(tensor, ir.ExternalTensor):
@@ -73,3 +76,22 @@ def _share_transposes(model: ir.Model) -> None:
             v.replace_all_uses_with(node.outputs[0])
             graph.initializers.pop(v.name)
             break
+
+
+def _share_concats(model: ir.Model) -> None:
+    """An initializer a pass built by concatenating others (value.meta['concat_of']) becomes Concat(those)."""
+    graph = model.graph
+    first = next(iter(graph), None)
+    for value in [v for v in graph.initializers.values() if "concat_of" in v.meta and v.uses()]:
+        axis, parts = value.meta["concat_of"]
+        inputs = []
+        for i, tensor in enumerate(parts):
+            part = ir.Value(name=f"{value.name}/part{i}", shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
+                            const_value=tensor)
+            graph.register_initializer(part)
+            inputs.append(part)
+        node = ir.node("Concat", inputs, attributes={"axis": axis}, name=f"{value.name}/concat")
+        node.outputs[0].name, node.outputs[0].shape, node.outputs[0].type = f"{value.name}/concat", value.shape, value.type
+        graph.insert_before(first, node)
+        value.replace_all_uses_with(node.outputs[0])
+        graph.initializers.pop(value.name)

@@ -126,6 +126,16 @@ class Attention(nn.Module):
         output = self._attend(xq, present_key.transpose(1, 2), present_value.transpose(1, 2), visible)
         return output, present_key, present_value
 
+    def forward_cat(self, x, position_ids, past=None):
+        """MiniMind's own cached step: earlier K/V ([B, S, Hkv, D] each) concatenated in front of this step's,
+        growing by T every step; returns output [B, T, E] and the new (K, V)."""
+        xq, xk, xv = self._project(x, position_ids)
+        if past is not None:
+            xk, xv = torch.cat([past[0], xk], dim=1), torch.cat([past[1], xv], dim=1)
+        rows = torch.arange(xk.shape[1], device=x.device)
+        visible = rows[None, None, None, :] <= position_ids[:, None, :, None]
+        return self._attend(xq, xk, xv, visible), (xk, xv)
+
     def forward_full(self, x):
         """The course's whole-sequence forward: positions 0..S-1, the future (triu) masked out."""
         bsz, seq_len, _ = x.shape

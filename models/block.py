@@ -39,6 +39,11 @@ class MiniMindBlock(nn.Module):
         h = x + attn
         return h + self.mlp(self.post_attention_layernorm(h)), present_key, present_value
 
+    def forward_cat(self, x, position_ids, past=None):
+        attn, present = self.self_attn.forward_cat(self.input_layernorm(x), position_ids, past)
+        h = x + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), present
+
     def forward_full(self, x):
         h = x + self.self_attn.forward_full(self.input_layernorm(x))
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -11,6 +11,8 @@ Parameter names are MiniMind's (and Qwen3's, whose architecture this is): `model
   fixed-capacity cache pair per layer, returning the logits of the step's last position
   only (generation needs no other; see `Driver.feed` in runtime/drivers.py for how a prompt is chunked
   so that its last token is a step's last position) and every layer's updated cache;
+- `forward_cat` is MiniMind's own cached step, its caches growing by concatenation (what the
+  benchmark's eager engines run);
 - `forward_full` is the plain whole-sequence forward with no cache: logits at every position.
 """
 from __future__ import annotations
@@ -51,6 +53,15 @@ class MiniMindForCausalLM(nn.Module):
             h, key, value = layer(h, position_ids, past[2 * i], past[2 * i + 1])
             presents += [key, value]
         return (self.lm_head(self.model.norm(h[:, -1:])), *presents)
+
+    def forward_cat(self, input_ids, position_ids, past=None):
+        """Logits [B, 1, V] at the last position and every layer's grown (K, V) ([B, S, Hkv, D] each)."""
+        h = self.model.embed_tokens(input_ids)
+        presents = []
+        for i, layer in enumerate(self.model.layers):
+            h, present = layer.forward_cat(h, position_ids, past[i] if past else None)
+            presents.append(present)
+        return self.lm_head(self.model.norm(h[:, -1:])), presents
 
     def forward_full(self, input_ids):
         """Logits [B, S, V] at every position of input_ids [B, S], positions 0..S-1, no cache."""

@@ -31,8 +31,10 @@ class PackMatMuls(GraphPass):
             b = Builder(model, nodes[0], f"{self.name}/{nodes[0].name}")
             sizes = [w.shape[1] for w in weights]
             lead = list(static_shape(nodes[0].outputs[0])[:-1])
-            packed = b.op("MatMul", [x, b.const(np.concatenate(weights, axis=1), "packed_weight")],
-                          lead + [sum(sizes)], nodes[0].outputs[0].dtype)
+            weight = b.const(np.concatenate(weights, axis=1), "packed_weight")
+            # What it packs, so a file that stores the parts already can keep them once (export/weights_file.py).
+            weight.meta["concat_of"] = (1, [n.inputs[1].const_value for n in nodes])
+            packed = b.op("MatMul", [x, weight], lead + [sum(sizes)], nodes[0].outputs[0].dtype)
             parts = b.op("Split", [packed, b.const(np.array(sizes, np.int64), "sizes")], None, None,
                          num_outputs=len(nodes), shapes=[lead + [s] for s in sizes],
                          dtypes=[packed.dtype] * len(nodes), axis=-1)

@@ -206,3 +206,17 @@ def test_hf_folder_round_trips_our_model(tmp_path):
     assert config.capacity == 32 and config.ffn_size == model.config.ffn_size
     again = build_model(config, "lm", weights=str(folder))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_cat_cache_step_is_the_same_model():
+    """MiniMind's concatenating cache (the benchmark's eager engines) gives the no-cache forward's logits."""
+    model = build_model(preset("tiny"), "lm", seed=2)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model.forward_full(ids)
+        logits, past = model.forward_cat(ids[:, :13], torch.arange(13)[None])
+        steps = [logits]
+        for p in range(13, 20):
+            logits, past = model.forward_cat(ids[:, p:p + 1], torch.tensor([[p]]), past)
+            steps.append(logits)
+    assert torch.allclose(torch.cat(steps, 1), full[:, 12:], atol=1e-5) and past[0][0].shape == (1, 20, 2, 16)

@@ -1,0 +1,36 @@
+"""The peer for the whole model: onnxruntime-genai's model builder, run on the same weights.
+
+Our LM is written as a Hugging Face Qwen3 folder (its architecture; with a tiny trained
+tokenizer, which the builder needs) and built twice, `-p fp32 -e cpu` and `-p int4 -e cpu`,
+with the builder's own defaults otherwise. Facts found on the way: onnxruntime-genai 0.18.0
+takes onnxruntime >= 1.31; its builder imports onnx_ir without declaring it; its `--help`
+crashes on a `%` in the help text, so it is only ever called with its arguments.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from corpus.text import save_tokenizer
+from models.checkpoint import save_hf_folder
+
+PRECISIONS = {"genai-fp32": "fp32", "genai-int4": "int4"}
+
+
+def build_genai(model, folder: Path) -> None:
+    """folder/hf (the weights as Qwen3) and folder/genai-fp32, folder/genai-int4 (the builder's output). A
+    machine without onnxruntime-genai gets no builds; its engines then say so."""
+    hf = save_hf_folder(model, folder / "hf")
+    save_tokenizer(hf, min(model.config.vocab_size, 512))
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return
+    for engine, precision in PRECISIONS.items():
+        res = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
+                              str(folder / engine), "-p", precision, "-e", "cpu", "-c", str(folder / "genai-cache")],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"onnxruntime-genai's builder failed for {precision}: "
+                               f"{(res.stderr.strip().splitlines() or ['no message'])[-1][:200]}")
