@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
+JOBS ?= 2
 
 .PHONY: setup export handoff test fuzz bench bench-quick fusion-table clean
 
@@ -21,7 +22,7 @@ handoff: setup
 	$(PY) -m export.handoff $(ARGS)
 
 test: setup
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(JOBS) --dist loadfile $(ARGS)
 
 fuzz: setup
 	FUZZ_CASES=2000 $(PY) -m pytest tests/test_fuzz.py -s

@@ -44,24 +44,24 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
-def prepare(config, kind: str, folder: Path) -> dict[str, Path]:
-    """Export the model's graphs and the raw graph through optimize_for_ort, and for the whole model
-    onnxruntime-genai's builds of the same weights, unless this config was prepared by this code already.
-    Returns the folders each engine reads."""
-    folders = {kind: folder} | ({name: folder / name for name in GENAI} if kind == "lm" else {})
+def prepare(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Path]:
+    """Export the model's graphs and the raw graph through optimize_for_ort, unless this config was exported by
+    this code already; for the whole model, onnxruntime-genai's builds of the same weights that the engines asked
+    for. Returns the folders each engine reads."""
+    genai = [e for e in engines if e in GENAI] if kind == "lm" else []
     stamp = folder / "fingerprint"
     fingerprint = json.dumps({"config": config.to_dict(), "code": code_fingerprint()})
-    if stamp.exists() and stamp.read_text() == fingerprint:
-        return folders
-    export_model(config, folder, kind=kind, log=lambda *_: None)
-    for step in ("prefill", "decode"):
-        model = ir.load(folder / f"{step}.raw.onnx")
-        optimize_for_ort(model)
-        ir.save(model, folder / f"{step}.onnxscript.onnx")
-    if kind == "lm":
-        build_genai(build_model(config, "lm", seed=0), folder)
-    stamp.write_text(fingerprint)
-    return folders
+    if not (stamp.exists() and stamp.read_text() == fingerprint):
+        export_model(config, folder, kind=kind, log=lambda *_: None)
+        for step in ("prefill", "decode"):
+            model = ir.load(folder / f"{step}.raw.onnx")
+            optimize_for_ort(model)
+            ir.save(model, folder / f"{step}.onnxscript.onnx")
+        stamp.write_text(fingerprint)
+    missing = [e for e in genai if not (folder / e / "genai_config.json").exists()]
+    if missing:
+        build_genai(build_model(config, "lm", seed=0), folder, missing)
+    return {kind: folder} | {e: folder / e for e in genai}
 
 
 def machine(threads: int) -> dict:
@@ -112,7 +112,7 @@ def bench(args) -> int:
     print(f"exporting {args.preset} graphs ...", flush=True)
     folders = {}
     for kind in dict.fromkeys(w.kind for w in jobs):
-        folders |= prepare(config, kind, out / ".work" / f"{args.preset}-{kind}")
+        folders |= prepare(config, kind, out / ".work" / f"{args.preset}-{kind}", args.engines)
     print("measuring the machine's limits ...", flush=True)
     bandwidth = {w.name: read_bandwidth(w.working_set(config), args.threads) for w in jobs if w.step == "decode"}
     limits = {"gemm_flops": gemm_rate(args.threads), "read_bandwidth_bytes_per_s": bandwidth}

@@ -18,8 +18,8 @@ from models.checkpoint import save_hf_folder
 PRECISIONS = {"genai-fp32": "fp32", "genai-int4": "int4"}
 
 
-def build_genai(model, folder: Path) -> None:
-    """folder/hf (the weights as Qwen3) and folder/genai-fp32, folder/genai-int4 (the builder's output). A
+def build_genai(model, folder: Path, engines) -> None:
+    """folder/hf (the weights as Qwen3) and the builder's output for each engine (folder/genai-fp32, ...). A
     machine without onnxruntime-genai gets no builds; its engines then say so."""
     hf = save_hf_folder(model, folder / "hf")
     save_tokenizer(hf, min(model.config.vocab_size, 512))
@@ -27,7 +27,8 @@ def build_genai(model, folder: Path) -> None:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return
-    for engine, precision in PRECISIONS.items():
+    for engine in engines:
+        precision = PRECISIONS[engine]
         res = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
                               str(folder / engine), "-p", precision, "-e", "cpu", "-c", str(folder / "genai-cache")],
                              capture_output=True, text=True)

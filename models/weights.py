@@ -46,6 +46,9 @@ def checksum(model: nn.Module) -> str:
 
 
 def _read(path: Path) -> dict:
+    if path.is_dir():
+        raise WeightsError(f"weights file {path}: is a folder; expected a torch state dict (.pt/.pth) "
+                           "(a Hugging Face folder loads into the whole model: --kind lm)")
     if not path.is_file():
         raise WeightsError(f"weights file {path}: not found; expected a torch state dict (.pt/.pth)")
     try:

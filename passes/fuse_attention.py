@@ -144,16 +144,15 @@ def _query_fold(frame: Frame, q_trace) -> int:
     wrote. Among none such, no fold: attention over rep*T rows is the same numbers.
     """
     source = static_shape(q_trace.source)
-    views = {}
+    viewable = []
     for fold in (f for f in range(1, frame.rows + 1) if frame.rows % f == 0):
         view = as_view(frame.fold(frame.q, fold), source)
         if view is not None:
-            views[fold] = view[0]
-    natural = [f for f, reshape in views.items() if _keeps_axes(reshape, source)]
-    if natural:
-        return natural[0]
-    if views:
-        return 1 if 1 in views else min(views)
+            if _keeps_axes(view[0], source):
+                return fold  # the usual case, fold 1, returns at the first try
+            viewable.append(fold)
+    if viewable:
+        return 1 if 1 in viewable else viewable[0]
     raise NotFused(f"Q is not a reshape/transpose of {q_trace.source.name}")
 
 

@@ -125,11 +125,11 @@ def test_minimind_checkpoint_fp32_and_fp16(tmp_path):
     torch.save(model.state_dict(), tmp_path / "minimind.pth")
     prompt = torch.arange(3, 26)[None] % config.vocab_size  # 23 tokens: a chunk of 16 after a partial one of 7
     want, _ = greedy(model, prompt, 12)
-    for dtype in ("fp32", "fp16"):
+    for dtype, targets in (("fp32", TARGETS), ("fp16", ("ort", "npu"))):
         m = export_model(config.replace(dtype=dtype), tmp_path / dtype, kind="lm", weights=str(tmp_path / "minimind.pth"),
-                         log=lambda *_: None)
+                         targets=targets, log=lambda *_: None)
         assert m["weights"]["source"].endswith("minimind.pth")
-        for target in TARGETS:
+        for target in targets:
             seq = m["sequence_parity"]["targets"][target]
             assert seq["max_abs"] < (1e-4 if dtype == "fp32" else 1e-2) or seq["max_rel"] < 1e-2
             print(f"{dtype} {target}: logits max abs {seq['max_abs']:.1e}, top-1 agreement {seq['top1_agreement']:.0%}")
@@ -206,6 +206,25 @@ def test_hf_folder_round_trips_our_model(tmp_path):
     assert config.capacity == 32 and config.ffn_size == model.config.ffn_size
     again = build_model(config, "lm", weights=str(folder))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
+def test_sharded_hf_folder(tmp_path):
+    """Shards listed in model.safetensors.index.json, as transformers writes a large model."""
+    from safetensors.torch import load_file, save_file
+    model = build_model(preset("tiny"), "lm", seed=5)
+    folder = save_hf_folder(model, tmp_path / "hf")
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(folder / file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    again = build_model(config_from_folder(folder, preset("tiny")), "lm", weights=str(folder))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    with pytest.raises(WeightsError, match="is a folder; expected a torch state dict"):
+        build_model(preset("tiny"), "block", weights=str(folder), layer=0)
 
 
 def test_cat_cache_step_is_the_same_model():
