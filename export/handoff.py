@@ -22,6 +22,7 @@ from models import AttentionConfig, build_model, preset
 from models.contract import cache_names, input_names, output_names
 from passes.lint import lint
 from passes.lower_npu import MASK_VALUE
+from runtime import qnn
 from runtime.drivers import host_mask
 from runtime.cli import Parser, run
 from runtime.parity import TOLERANCE, reference_model
@@ -83,8 +84,9 @@ def save_golden(path: Path, steps: list) -> None:
     np.savez_compressed(path, **arrays)
 
 
-def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, log=print) -> dict:
+def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, socs=qnn.SOCS, log=print) -> dict:
     out = Path(out)
+    socs = tuple(socs) if qnn.available() else ()
     with staged_dir(out) as tmp:
         graphs = []
         for kind in kinds:
@@ -102,16 +104,26 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                                                          "shape": [c.batch, c.num_kv_heads, c.capacity, c.head_dim]}}
                                          if kind == "lm" else {}))
                 log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors")
-        lints = {g["file"]: [vars(v) for v in lint(tmp / g["file"], g["target"])] for g in graphs}
+        for g in (g for g in graphs if g["target"] == "npu" and socs):
+            compiled = {soc: g["file"].replace(".onnx", f".qnn{soc}.onnx") for soc in socs}
+            g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f) for soc, f in compiled.items()}
+            log(f"compiled {g['file']} for the QNN HTP of SoC {', '.join(map(str, socs))}")
+        lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], g["target"])],
+                             "notes": [vars(v) for v in lint(tmp / g["file"], g["target"], notes=True)]} for g in graphs}
         runtimes = {rt: {t: all(verify_graph(tmp, g, rt)["ok"] for g in graphs if g["target"] == t)
-                         for t in dict.fromkeys(g["target"] for g in graphs)} for rt in available_runtimes()}
-        if not all(runtimes["onnxruntime"].values()) or any(lints[g["file"]] for g in graphs if g["target"] == "npu"):
+                         for t in dict.fromkeys(g["target"] for g in graphs)} for rt in available_runtimes(socs)}
+        if not all(runtimes["onnxruntime"].values()) or any(lints[g["file"]]["violations"] for g in graphs):
             raise RuntimeError(f"bundle check failed: onnxruntime {runtimes['onnxruntime']}, lint {lints}")
         manifest = {"format": 1, "config": config.to_dict(), "kinds": list(kinds), "contract": CONTRACT,
-                    "graphs": graphs, "runtimes": runtimes, "lint": "lint.json"}
+                    "graphs": graphs, "runtimes": runtimes, "lint": "lint.json",
+                    "qnn": {"version": qnn.version(), "socs": list(socs), "soc_names": {str(s): qnn.SOC_NAMES.get(s, "")
+                                                                                      for s in socs},
+                            "emulated": "compiled and run in host emulation of the HTP, not on a phone",
+                            "precision": "fp16 (enable_htp_fp16_precision=1), fp32 graphs judged at 1e-2"}
+                    if socs else {"socs": [], "note": "onnxruntime-qnn is not installed: nothing compiled for the HTP"}}
         (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        (tmp / "README.md").write_text(readme(config, runtimes))
+        (tmp / "README.md").write_text(readme(config, runtimes, manifest["qnn"]))
     log(f"wrote {out}: {len(graphs)} graphs; accepted by " +
         "; ".join(f"{rt}: {', '.join(t for t, ok in r.items() if ok) or 'none'}" for rt, r in runtimes.items()))
     return manifest
@@ -147,9 +159,15 @@ CONTRACT = {
 }
 
 
-def readme(config: AttentionConfig, runtimes: dict) -> str:
+def readme(config: AttentionConfig, runtimes: dict, htp: dict) -> str:
     accepted = "\n".join(f"- {rt}: " + ", ".join(f"`{t}` {'yes' if ok else 'no'}" for t, ok in r.items())
                          for rt, r in runtimes.items())
+    deploy = "\n".join(f"| {soc} | {htp['soc_names'][str(soc)]} | `*.npu.qnn{soc}.onnx` |" for soc in htp["socs"])
+    compiled = (f"Every npu graph is also compiled for the Hexagon NPU (HTP) of each SoC below with {htp['version']}, "
+                "every node on the HTP (CPU fallback disabled), as an `EPContext` model beside it: load that file with "
+                "onnxruntime's QNN execution provider on a device with that chip, and nothing is compiled on the device. "
+                "The HTP runs the float graphs in fp16. They were compiled and checked in QNN's host emulation of the "
+                "HTP, not on a phone.") if htp["socs"] else htp["note"]
     return f"""# Attention hand-off bundle
 
 MiniMind's attention block, decoder block and whole causal language model (E={config.hidden_size},
@@ -186,7 +204,9 @@ npu_step(hidden_states [B,T,E], position_ids [B,T] int32, attention_mask [B,1,T,
   int32 `position_ids`; V is not rotated.
 - GQA groups the query heads ([B,Hkv,(H/Hkv)*T,D] against [B,Hkv,C+T,D]); K/V are never repeated.
 - Static primitives only: no If/Loop/Scan, Shape/Range/ConstantOfShape/NonZero, scatter, Expand/Tile or
-  computed Reshape; no infinities (see `lint.json`, all clean).
+  computed Reshape; no infinities; no boolean inputs (see `lint.json`: no violations; its notes say what a
+  toolchain must be told, e.g. that QNN's HTP compiles the fp32 RoPE and embedding tables only with fp16
+  precision on).
 
 The whole model's step is the same with token ids in and one cache pair per layer:
 
@@ -199,6 +219,14 @@ lm_npu_step(input_ids [B,T] int32, position_ids [B,T] int32, attention_mask [B,1
 partial chunk first, its end padded and overwritten by the next chunk; a prompt shorter than T as a padded
 chunk of all but its last token, then a decode step for the last), then one decode step per new token.
 
+## Compiled for Snapdragon NPUs (QNN HTP)
+
+{compiled}
+
+| soc_model | chip | deploy |
+|---|---|---|
+{deploy}
+
 ## Verified on (measured when this bundle was built)
 
 {accepted}
@@ -210,11 +238,13 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="minimind", help="model config [minimind]")
     p.add_argument("--out", help="bundle folder [artifacts/PRESET/handoff]")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="models to include [all]")
+    p.add_argument("--socs", nargs="*", type=int, default=list(qnn.SOCS), metavar="SOC",
+                   help=f"QNN soc_model numbers to compile the npu graphs for (none: skip) [{' '.join(map(str, qnn.SOCS))}]")
     return run(_build, p.parse_args(argv))
 
 
 def _build(args) -> int:
-    build(preset(args.preset), args.out or f"artifacts/{args.preset}/handoff", kinds=tuple(args.kinds))
+    build(preset(args.preset), args.out or f"artifacts/{args.preset}/handoff", kinds=tuple(args.kinds), socs=args.socs)
     return 0
 
 

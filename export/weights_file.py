@@ -55,7 +55,8 @@ class WeightsFile:
 
 
 def _share_transposes(model: ir.Model) -> None:
-    """An initializer that is exactly another's transpose becomes Transpose(that one)."""
+    """An initializer that is exactly another's transpose becomes Transpose(that one); the one a Gather reads
+    (the embedding table) stays as it is."""
     graph = model.graph
     matrices = [v for v in graph.initializers.values() if v.const_value is not None
                 and len(v.const_value.shape) == 2 and v.const_value.nbytes >= INLINE_BYTES]
@@ -66,7 +67,7 @@ def _share_transposes(model: ir.Model) -> None:
     for v in matrices:
         rows, cols = v.const_value.shape
         for source in by_shape.get((v.const_value.dtype, (cols, rows)), []):
-            if source is v or id(source) in replaced or not v.uses() \
+            if source is v or id(source) in replaced or not v.uses() or _gathered(v) \
                     or not np.array_equal(v.const_value.numpy(), source.const_value.numpy().T):
                 continue
             replaced.add(id(v))
@@ -95,3 +96,7 @@ def _share_concats(model: ir.Model) -> None:
         graph.insert_before(first, node)
         value.replace_all_uses_with(node.outputs[0])
         graph.initializers.pop(value.name)
+
+
+def _gathered(value: ir.Value) -> bool:
+    return any(user.op_type == "Gather" and index == 0 for user, index in value.uses())

@@ -3,9 +3,15 @@
 Each profile is a list of rules; every violation is printed with the rule, node and op,
 and the exit status is 1 if there is any. `npu` is what NPU compilers (QNN, OpenVINO NPU,
 Vitis AI) accept: opset 17, static shapes, no control flow, no shape-computing, scatter
-or repeat ops, no computed Reshape, int32 integer inputs, no infinities. `onnx` and `ort`
-check what their targets promise: static shapes and every attention fused, without a
-K/V repeat; `onnx` also standard domains only at opset 24.
+(QNN's HTP has none) or repeat ops, no computed Reshape, int32 integer inputs, no boolean
+inputs (QNN refuses a boolean attention mask: it wants an additive float one), no
+infinities. `onnx` and `ort` check what their targets promise: static shapes and every
+attention fused, without a K/V repeat; `onnx` also standard domains only at opset 24.
+
+Notes are what a toolchain needs told rather than errors, printed without failing: on the
+npu profile, a float table gathered by integer positions (RoPE's cos/sin) compiles for
+QNN's HTP only with fp16 precision on (`enable_htp_fp16_precision=1`), so an fp32 graph runs
+there in fp16.
 """
 from __future__ import annotations
 
@@ -70,6 +76,12 @@ def computed_reshape(model, path):
             for n in _nodes(model) if n.op_type == "Reshape" and const(n.inputs[1]) is None]
 
 
+def no_bool_inputs(model, path):
+    return [Violation("no-bool-inputs", v.name, "input", f"input {v.name} is boolean; QNN's HTP refuses a boolean "
+                      "attention mask, expected an additive float one")
+            for v in model.graph.inputs if v.dtype == ir.DataType.BOOL]
+
+
 def int32_inputs(model, path):
     ints = {ir.DataType.INT64, ir.DataType.INT16, ir.DataType.INT8, ir.DataType.UINT64, ir.DataType.UINT32}
     return [Violation("int32-inputs", v.name, "input", f"input {v.name} is {v.dtype}; expected int32 for integers")
@@ -96,20 +108,33 @@ def attention_fused(model, path):
     return [Violation("attention-fused", x["node"], x["op"], x["reason"]) for x in left]
 
 
+def fp32_tables(model, path):
+    """Gathers from fp32 constant tables by a graph input's integer positions: fp16 on QNN's HTP."""
+    inputs = {id(v) for v in model.graph.inputs}
+    return [Violation("qnn-fp16-precision", n.name, n.op_type, f"fp32 table {n.inputs[0].name} gathered by input "
+                      f"{n.inputs[1].name}: QNN's HTP compiles this only with enable_htp_fp16_precision=1 (fp16)")
+            for n in _nodes(model) if n.op_type == "Gather" and const(n.inputs[0]) is not None
+            and n.inputs[0].dtype == ir.DataType.FLOAT and id(n.inputs[1]) in inputs]
+
+
 PROFILES = {
     "npu": [opset(17), static_shapes, forbidden("control-flow", CONTROL_FLOW), forbidden("shape-op", SHAPE_OPS),
             forbidden("scatter", SCATTER_OPS), forbidden("repeat", REPEAT_OPS), computed_reshape, int32_inputs,
-            finite_constants, standard_domains],
+            no_bool_inputs, finite_constants, standard_domains],
     "onnx": [opset(24), static_shapes, standard_domains, attention_fused],
     "ort": [static_shapes, attention_fused],
 }
 
 
-def lint(path: str | Path, profile: str) -> list[Violation]:
+NOTES = {"npu": [fp32_tables], "onnx": [], "ort": []}
+
+
+def lint(path: str | Path, profile: str, notes: bool = False) -> list[Violation]:
+    """The profile's violations (with `notes`, its notes instead)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}: expected one of {', '.join(PROFILES)}")
     model = load(path)
-    return [v for rule in PROFILES[profile] for v in rule(model, path)]
+    return [v for rule in (NOTES if notes else PROFILES)[profile] for v in rule(model, path)]
 
 
 def main(argv=None) -> int:
@@ -121,13 +146,16 @@ def main(argv=None) -> int:
 
 
 def _report(args) -> int:
-    found = lint(args.file, args.profile)
+    found, notes = lint(args.file, args.profile), lint(args.file, args.profile, notes=True)
     for v in found:
         print(f"{v.rule}: {v.node or '-'} ({v.op or '-'}): {v.message}")
-    print(f"{args.file}: {len(found)} violation(s) of profile {args.profile}")
+    for v in notes:
+        print(f"note: {v.rule}: {v.node or '-'} ({v.op or '-'}): {v.message}")
+    print(f"{args.file}: {len(found)} violation(s) of profile {args.profile}" + (f", {len(notes)} note(s)" if notes else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"file": str(args.file), "profile": args.profile,
-                                               "violations": [asdict(v) for v in found]}, indent=2) + "\n")
+                                               "violations": [asdict(v) for v in found],
+                                               "notes": [asdict(v) for v in notes]}, indent=2) + "\n")
     return 1 if found else 0
 
 

@@ -1,11 +1,15 @@
 """python -m runtime.verify BUNDLE_DIR: re-run a hand-off bundle's golden vectors, needing only the bundle.
 
 Every graph listed in the bundle's manifest.json is run on its golden inputs in
-onnxruntime (CPU) and, where the `openvino` package is installed, compiled and run with
-OpenVINO on its CPU device. Each output is compared with the eager-PyTorch output stored
-beside the inputs (present_* only on the rows written so far, as the step contract says).
-Prints one line per graph and runtime; exits 1 if a graph fails in onnxruntime, or a graph
-the manifest says OpenVINO accepts fails there.
+onnxruntime (CPU); where the `openvino` package is installed, compiled and run with
+OpenVINO on its CPU device; and where `onnxruntime-qnn` is installed, on Qualcomm's QNN HTP
+in host emulation for each SoC the bundle was compiled for (`qnn-htp-57`, ...): through the
+bundle's compiled EPContext model for that SoC where it has one, else compiled from the graph,
+either way with no CPU fallback. The HTP runs float graphs in fp16, so they are judged at the
+fp16 tolerance there. Each output is compared with the eager-PyTorch output stored beside
+the inputs (present_* only on the rows written so far, as the step contract says). Prints one
+line per graph and runtime; exits 1 if a graph fails in onnxruntime, or a graph the manifest
+says another runtime accepts fails there.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import qnn
 from .cli import Parser, run
 from .metrics import close, error, worst
 
@@ -85,12 +90,31 @@ def _openvino(path: Path):
     return run
 
 
+def _qnn(path: Path, soc: int):
+    session = qnn.session(path, soc)
+    return lambda feeds: dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
 RUNTIMES = {"onnxruntime": _onnxruntime, "openvino-cpu": _openvino}
+QNN = "qnn-htp-"
+
+
+def _runner(bundle: Path, graph: dict, runtime: str):
+    if runtime.startswith(QNN):
+        soc = runtime.removeprefix(QNN)
+        compiled = graph.get("qnn", {}).get(soc)
+        return _qnn(bundle / (compiled["file"] if compiled else graph["file"]), int(soc))
+    return RUNTIMES[runtime](bundle / graph["file"])
+
+
+def tolerance(graph: dict, runtime: str) -> float:
+    """The graph's, or the fp16 one on the HTP, which runs float graphs in fp16."""
+    return max(graph["tolerance"], qnn.TOLERANCE) if runtime.startswith(QNN) else graph["tolerance"]
 
 
 def verify_graph(bundle: Path, graph: dict, runtime: str) -> dict:
     try:
-        run = RUNTIMES[runtime](bundle / graph["file"])
+        run = _runner(bundle, graph, runtime)
         steps = golden_steps(bundle / graph["golden"])
         host = HostCache(graph["host_cache"], steps[0][0]["attention_mask"].dtype) if "host_cache" in graph else None
         errors = []
@@ -102,7 +126,7 @@ def verify_graph(bundle: Path, graph: dict, runtime: str) -> dict:
         return {"ok": False, "error": _reason(e)}
     err = worst(errors)
     top1 = [e["top1"] for e in errors if "top1" in e]
-    return {"ok": close(err, graph["tolerance"]), **err, "steps": len(errors),
+    return {"ok": close(err, tolerance(graph, runtime)), **err, "steps": len(errors),
             **({"top1_agreement": float(np.mean(top1))} if top1 else {})}
 
 
@@ -113,12 +137,15 @@ def _reason(e: Exception) -> str:
     return f"{type(e).__name__}: {(telling or lines or [''])[-1][:200]}"
 
 
-def available_runtimes() -> list[str]:
+def available_runtimes(socs=()) -> list[str]:
+    """onnxruntime, OpenVINO's CPU device if installed, and the QNN HTP of each SoC in `socs` if installed."""
+    found = ["onnxruntime"]
     try:
         import openvino  # noqa: F401
-        return list(RUNTIMES)
+        found.append("openvino-cpu")
     except ImportError:
-        return ["onnxruntime"]
+        pass
+    return found + ([f"{QNN}{soc}" for soc in socs] if qnn.available() else [])
 
 
 def verify(bundle: str | Path, log=print) -> bool:
@@ -130,7 +157,7 @@ def verify(bundle: str | Path, log=print) -> bool:
         raise BundleError(f"{bundle}: no readable manifest.json with graphs ({e}); expected a bundle from make handoff") from None
     ok = True
     for graph in graphs:
-        for runtime in available_runtimes():
+        for runtime in available_runtimes(manifest.get("qnn", {}).get("socs", ())):
             expected = manifest.get("runtimes", {}).get(runtime, {}).get(graph["target"], True)
             r = verify_graph(bundle, graph, runtime)
             status = "pass" if r["ok"] else ("FAIL" if expected else "not accepted (as the manifest says)")
@@ -138,6 +165,10 @@ def verify(bundle: str | Path, log=print) -> bool:
                 else r["error"]
             if "top1_agreement" in r:
                 detail += f", greedy top-1 {r['top1_agreement']:.0%}"
+            if runtime.startswith(QNN) and "steps" in r:
+                soc = runtime.removeprefix(QNN)
+                detail += (f", compiled {graph['qnn'][soc]['file']}" if soc in graph.get("qnn", {}) else "") \
+                    + ", fp16 on the HTP"
             log(f"{status:5s} {runtime:12s} {graph['file']}: {detail}")
             ok &= r["ok"] or not expected
     return ok

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     out = tmp_path_factory.mktemp("handoff") / "handoff"
-    build(preset("tiny"), out, log=lambda *_: None)
+    build(preset("tiny"), out, socs=(57,), log=lambda *_: None)  # make handoff compiles for three SoCs
     return out
 
 
@@ -30,10 +30,19 @@ def test_bundle_contents(bundle):
     assert {f"lm-{d}/{s}.npu.onnx" for s in ("prefill", "decode") for d in ("fp32", "fp16")} <= files
     assert (bundle / "lm-fp32/weights.data").is_file() and m["contract"]["lm_npu"]["outputs"].startswith("logits")
     assert all((bundle / g["golden"]).exists() for g in m["graphs"])
-    assert json.loads((bundle / "lint.json").read_text()) == {g["file"]: [] for g in m["graphs"]}
+    lints = json.loads((bundle / "lint.json").read_text())
+    assert all(lints[g["file"]]["violations"] == [] for g in m["graphs"])
+    assert {n["rule"] for n in lints["lm-fp32/decode.npu.onnx"]["notes"]} == {"qnn-fp16-precision"}
     assert m["contract"]["npu"]["mask_value"] == -30000.0 and m["contract"]["npu"]["opset"] == 17
     assert m["runtimes"]["onnxruntime"] == {"onnx": True, "npu": True}
     assert m["runtimes"]["openvino-cpu"] == {"onnx": False, "npu": True}  # OpenVINO 2026.4 has no TensorScatter
+    assert m["runtimes"]["qnn-htp-57"] == {"onnx": False, "npu": True}  # nor has QNN's HTP
+    assert m["qnn"]["socs"] == [57] and m["qnn"]["version"].startswith("QNN 2.51")
+    for g in (g for g in m["graphs"] if g["target"] == "npu"):  # compiled, every node on the HTP
+        compiled = g["qnn"]["57"]
+        assert (bundle / compiled["file"]).is_file() and compiled["soc_model"] == 57
+        assert compiled["placement"]["htp_nodes"] > 10 and compiled["placement"]["unsupported"] == []
+    assert "| 57 | SM8650 (Snapdragon 8 Gen 3, HTP v75) | `*.npu.qnn57.onnx` |" in (bundle / "README.md").read_text()
     assert "openvino-cpu: `onnx` no, `npu` yes" in (bundle / "README.md").read_text()
     golden = np.load(bundle / "attention-fp32/decode.npu.golden.npz")
     assert int(golden["steps"]) == 8 and golden["in.0.position_ids"].dtype == np.int32
@@ -53,6 +62,8 @@ def test_verify_needs_only_the_bundle(bundle):
     lines = res.stdout.splitlines()
     assert sum(line.startswith("pass  onnxruntime") for line in lines) == 16
     assert sum(line.startswith("pass  openvino-cpu") for line in lines) == 12
+    htp = [line for line in lines if line.startswith("pass  qnn-htp-57")]
+    assert len(htp) == 12 and all(".qnn57.onnx, fp16 on the HTP" in line for line in htp)
     assert [line for line in lines if "lm-fp32/decode.npu.onnx" in line][0].endswith("greedy top-1 100%")
 
 

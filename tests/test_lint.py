@@ -55,9 +55,22 @@ def test_clean_graph_passes(tmp_path, capsys):
                                         initializers=[const("m", np.array([0, -np.inf, 0, 0], np.float32))])),
     ("standard-domain", lambda p: save(p, [oh.make_node("Gelu", ["x"], ["y"], domain="com.microsoft")],
                                        extra_opsets=[oh.make_opsetid("com.microsoft", 1)])),
+    ("no-bool-inputs", lambda p: save(p, [oh.make_node("Where", ["m", "x", "x"], ["y"])],
+                                      inputs=[X, oh.make_tensor_value_info("m", TP.BOOL, [1, 4])])),
 ])
 def test_each_npu_rule_fires(tmp_path, rule, build):
     assert rule in rules(build(tmp_path))
+
+
+def test_qnn_note_on_float_tables_gathered_by_positions(tmp_path, capsys):
+    """A note, not a violation: QNN's HTP compiles it, with fp16 precision on."""
+    path = save(tmp_path, [oh.make_node("Gather", ["table", "pos"], ["y"], axis=0)],
+                inputs=[oh.make_tensor_value_info("pos", TP.INT32, [1])],
+                outputs=[oh.make_tensor_value_info("y", TP.FLOAT, [1, 4])],
+                initializers=[const("table", np.zeros((8, 4), np.float32))])
+    assert lint(path, "npu") == [] and [n.rule for n in lint(path, "npu", notes=True)] == ["qnn-fp16-precision"]
+    assert main([str(path), "--profile", "npu"]) == 0
+    assert "note: qnn-fp16-precision" in capsys.readouterr().out
 
 
 def _branch(value):

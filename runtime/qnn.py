@@ -1,0 +1,91 @@
+"""Qualcomm's QNN HTP (the Snapdragon NPU) through onnxruntime-qnn, in host emulation.
+
+onnxruntime-qnn is an onnxruntime plugin carrying QNN's HTP backend and its host-side graph
+compiler: a graph compiles for a chosen Snapdragon SoC and runs in an emulation of its HTP on
+this machine (not on a phone). What the hand-off learned from it:
+
+- graphs compile with CPU fallback disabled, so a compiled graph runs every node on the HTP;
+- float graphs compile only with fp16 precision on (`enable_htp_fp16_precision=1`: the fp32
+  RoPE tables gathered by int32 positions fail otherwise, `could not create op: q::Gather`), so
+  the HTP runs our fp32 graphs in fp16 and they are judged at the fp16 tolerance;
+- `ep.context_enable` writes the compiled graph as an `EPContext` model, what an engineer deploys;
+- the op trace (`enable_framework_op_trace`) says which QNN op each node became.
+
+No torch here: the bundle verifier uses it with numpy and onnxruntime alone.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import onnxruntime as ort
+
+# QNN's soc_model numbers for Snapdragon phones (as QNN and ExecuTorch's Qualcomm backend number them).
+SOC_NAMES = {36: "SM8450 (Snapdragon 8 Gen 1, HTP v69)", 43: "SM8550 (Snapdragon 8 Gen 2, HTP v73)",
+             57: "SM8650 (Snapdragon 8 Gen 3, HTP v75)", 69: "SM8750 (Snapdragon 8 Elite, HTP v79)",
+             87: "SM8850 (Snapdragon 8 Elite Gen 5, HTP v81)"}
+SOCS = (43, 57, 69)
+TOLERANCE = 1e-2  # what the HTP runs in: fp16
+_registered = []
+
+
+def available() -> bool:
+    try:
+        import onnxruntime_qnn  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def version() -> str:
+    from onnxruntime_qnn import build_and_package_info
+    return f"QNN {build_and_package_info.qnn_version} (onnxruntime-qnn)"
+
+
+def _devices():
+    import onnxruntime_qnn
+    if not _registered:
+        ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
+        _registered.append(True)
+    return [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
+
+
+def session(path: str | Path, soc: int, context: Path | None = None, trace: Path | None = None) -> ort.InferenceSession:
+    """The graph (or a compiled EPContext model) on the HTP of SoC `soc`, every node on it; `context` writes the
+    compiled model there, `trace` the op trace into that folder."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # a graph the HTP refuses surfaces as the exception, not as log lines
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    if context is not None:
+        options.add_session_config_entry("ep.context_enable", "1")
+        options.add_session_config_entry("ep.context_file_path", str(context))
+        options.add_session_config_entry("ep.context_embed_mode", "1")
+    provider = {"backend_type": "htp", "soc_model": str(soc), "enable_htp_fp16_precision": "1"}
+    if trace is not None:
+        provider |= {"enable_framework_op_trace": "1", "framework_op_trace_dir": str(trace)}
+    options.add_provider_for_devices(_devices(), provider)
+    return ort.InferenceSession(str(path), options)
+
+
+def compile_graph(path: Path, soc: int, out: Path) -> dict:
+    """Compile `path` for SoC `soc` into the EPContext model `out`; what it took and where the nodes went."""
+    with tempfile.TemporaryDirectory() as trace:
+        start = time.perf_counter()
+        session(path, soc, context=out, trace=Path(trace))
+        seconds = time.perf_counter() - start
+        placement = _placement(Path(trace))
+    return {"soc_model": soc, "qnn": version(), "compile_seconds": round(seconds, 1), "bytes": out.stat().st_size,
+            "placement": placement}
+
+
+def _placement(trace: Path) -> dict:
+    """From QNN's op trace: how many graph nodes became QNN ops on the HTP, and any it could not take."""
+    files = list(trace.glob("*.json"))
+    if not files:
+        return {"htp_nodes": None, "unsupported": []}
+    data = json.loads(files[0].read_text())
+    sources = {s["name"] for g in data.get("subgraph_traces", []) for op in g.get("op_mappings", [])
+               for s in op.get("sources", []) if s.get("type") == "OP"}
+    return {"htp_nodes": len(sources), "unsupported": data.get("unsupported_nodes", [])}
