@@ -5,8 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.engines import ENGINES
-
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES_RUN = ("torch-eager", "ort-onnxscript", "ort-ort", "genai-fp32")
 

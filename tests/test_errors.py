@@ -104,8 +104,8 @@ def cli(module: str, argv: list[str], capsys) -> tuple[int, str]:
     """`python -m module argv` in this process (what the subprocess tests below do once end to end):
     (exit status, stderr)."""
     import importlib
-    entry = importlib.import_module(module if module in ("passes.lint", "runtime.verify", "runtime.generate", "export.handoff")
-                                    else f"{module}.__main__")
+    plain = ("passes.lint", "runtime.verify", "runtime.generate", "export.handoff")  # modules that are their own CLI
+    entry = importlib.import_module(module if module in plain else f"{module}.__main__")
     try:
         status = entry.main(argv)
     except SystemExit as e:  # argparse's usage errors

@@ -3,7 +3,6 @@ their dims are pinned; the report says what was pinned to what."""
 import json
 import warnings
 
-import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx_ir as ir

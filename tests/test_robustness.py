@@ -3,10 +3,8 @@ left as it was, with the reason; the command checks its output runs before writi
 failures found on held-out graphs."""
 import copy
 
-import numpy as np
 import onnx
 import onnx_ir as ir
-import pytest
 import torch
 
 import passes.fuse_attention as fuse_attention
