@@ -50,9 +50,10 @@ def prepare(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Pa
     for. Returns the folders each engine reads."""
     genai = [e for e in engines if e in GENAI] if kind == "lm" else []
     stamp = folder / "fingerprint"
-    fingerprint = json.dumps({"config": config.to_dict(), "code": code_fingerprint()})
+    quant = ("int4", "int8", "w8a16") if kind == "lm" else ()  # w8a16 for benchmarks.accuracy
+    fingerprint = json.dumps({"config": config.to_dict(), "quant": quant, "code": code_fingerprint()})
     if not (stamp.exists() and stamp.read_text() == fingerprint):
-        export_model(config, folder, kind=kind, log=lambda *_: None)
+        export_model(config, folder, kind=kind, quant=quant, log=lambda *_: None)
         for step in ("prefill", "decode"):
             model = ir.load(folder / f"{step}.raw.onnx")
             optimize_for_ort(model)
@@ -133,7 +134,8 @@ def bench(args) -> int:
         if "median_ms" not in row:
             continue
         row["tokens_per_s"] = config.batch * w.seq_len(config) / (row["median_ms"] / 1e3)
-        floor_s = (w.working_set(config) / bandwidth[w.name]) if w.step == "decode" else w.flops(config) / limits["gemm_flops"]
+        floor_s = w.working_set(config, row["engine"]) / bandwidth[w.name] if w.step == "decode" \
+            else w.flops(config) / limits["gemm_flops"]
         row["floor_ms"] = floor_s * 1e3
         row["roofline_fraction"] = row["floor_ms"] / row["median_ms"]
     doc = {"machine": machine(args.threads), "preset": args.preset, "config": config.to_dict(), "limits": limits,

@@ -1,5 +1,6 @@
 """The engines: eager PyTorch three ways, onnxruntime on four graphs of the same model, and for the whole
-model onnxruntime-genai (its model builder's fp32 and int4 builds of the same weights).
+model our int4/int8 ort graphs and onnxruntime-genai (its model builder's fp32 and int4 builds of the same
+weights).
 
 Every engine runs the same step (same weights, seed 0) with the same thread count.
 onnxruntime engines run through the runtime's Generator, whose caches stay bound in place
@@ -20,9 +21,9 @@ from runtime.artifacts import open_step
 from runtime.drivers import Generator
 from runtime.session import StepSession
 
-from .workloads import GENAI, ORT, TORCH, Workload
+from .workloads import GENAI, ORT, QUANT, TORCH, Workload
 
-ENGINES = TORCH + ORT + GENAI
+ENGINES = TORCH + ORT + QUANT + GENAI
 
 
 class Unavailable(RuntimeError):

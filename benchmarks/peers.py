@@ -8,9 +8,12 @@ crashes on a `%` in the help text, so it is only ever called with its arguments.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 from corpus.text import save_tokenizer
 from models.checkpoint import save_hf_folder
@@ -35,3 +38,29 @@ def build_genai(model, folder: Path, engines) -> None:
         if res.returncode != 0:
             raise RuntimeError(f"onnxruntime-genai's builder failed for {precision}: "
                                f"{(res.stderr.strip().splitlines() or ['no message'])[-1][:200]}")
+
+
+class GenaiDriver:
+    """onnxruntime-genai's build behind the runtime drivers' reset/feed/decode, for runtime/accuracy.py: feed reads a
+    prompt and returns the next-token logits [1, 1, V], decode appends one token (teacher forcing or greedy)."""
+
+    def __init__(self, folder: Path, threads: int, max_length: int):
+        import onnxruntime_genai as og
+        self._og, self.max_length = og, max_length
+        config = og.Config(str(folder))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        self.model, self.generator = og.Model(config), None
+
+    def reset(self) -> None:
+        self.generator = None
+
+    def feed(self, ids: np.ndarray) -> np.ndarray:
+        params = self._og.GeneratorParams(self.model)
+        params.set_search_options(max_length=self.max_length, do_sample=False)
+        self.generator = self._og.Generator(self.model, params)
+        return self.decode(ids)
+
+    def decode(self, ids: np.ndarray) -> np.ndarray:
+        self.generator.append_tokens(ids[:1].astype(np.int32))
+        return np.asarray(self.generator.get_logits()).reshape(1, 1, -1)

@@ -39,6 +39,11 @@ def _targets(doc: dict) -> list[str]:
     for w in (w for w in lm if w.startswith("lm/decode")):
         floor = idx.get(("ort-ort", w), {}).get("floor_ms")
         check(f"ort-ort {w} vs its bandwidth floor (want <= 1.3x)", med("ort-ort", w), floor, lambda r: r <= 1.3)
+        check(f"ort-ort-int4 {w} vs genai-int4 (want >= 1.0x, target 1.2x)", med("genai-int4", w), med("ort-ort-int4", w),
+              lambda r: r >= 1.0)
+    for w in (w for w in lm if w.startswith("lm/prefill")):
+        check(f"ort-ort-int4 {w} vs ort-ort fp32 (want >= 1.0x: prefill keeps fp32 speed)", med("ort-ort", w),
+              med("ort-ort-int4", w), lambda r: r >= 1.0)
     return lines
 
 

@@ -15,7 +15,10 @@ KINDS = ("attention", "block", "lm")
 TORCH = ("torch-eager", "torch-sdpa", "torch-compile")
 ORT = ("ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort")
 GENAI = ("genai-fp32", "genai-int4")
-QUICK_LM = ("torch-eager", "ort-ort", "genai-fp32", "genai-int4")
+QUANT = ("ort-ort-int4", "ort-ort-int8")  # the whole model's quantized ort targets (export --quant int4,int8)
+# Bits read per weight, one fp32 scale per 32 weights included (the embedding's Gather reads one row a token).
+WEIGHT_BITS = {"ort-ort-int4": 5, "genai-int4": 5, "ort-ort-int8": 9}
+QUICK_LM = ("torch-eager", "ort-ort", "ort-ort-int4", "genai-fp32", "genai-int4")
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Workload:
     def engines(self) -> tuple[str, ...]:
         if self.kind != "lm":
             return TORCH + ORT
-        return QUICK_LM if self.quick else TORCH + ORT + GENAI
+        return QUICK_LM if self.quick else TORCH + ORT + QUANT + GENAI
 
     def seq_len(self, c: AttentionConfig) -> int:
         """Tokens the workload processes."""
@@ -61,8 +64,9 @@ class Workload:
         layers = c.num_layers if self.kind == "lm" else 1
         return 2 * layers * c.batch * c.num_kv_heads * (self.start() + self.seq_len(c)) * c.head_dim * _elem(c)
 
-    def working_set(self, c: AttentionConfig) -> int:
-        return self.weight_bytes(c) + self.cache_bytes(c)
+    def working_set(self, c: AttentionConfig, engine: str = "") -> int:
+        """Bytes a step must read; an engine with quantized weights reads its bits per weight (scales included)."""
+        return self.weight_bytes(c) * WEIGHT_BITS.get(engine, 32) // 32 + self.cache_bytes(c)
 
     def flops(self, c: AttentionConfig) -> int:
         t, e, d = c.batch * self.seq_len(c), c.hidden_size, c.head_dim

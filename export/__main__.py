@@ -12,6 +12,7 @@ from models import KINDS, PRESETS, AttentionConfig, preset
 from runtime.cli import Parser, run
 
 from .exporter import export_model
+from .quantize import parse as parse_quant
 from .torch_export import DEFAULT_OPSET
 
 
@@ -46,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
                    "weights; for --kind lm also a Hugging Face folder of a MiniMind or Qwen3ForCausalLM model "
                    "(config.json + safetensors), whose config.json gives the dims")
     p.add_argument("--layer", type=int, metavar="N", help="with a full MiniMind checkpoint: which model.layers.N to take")
+    p.add_argument("--quant", default="none", metavar="SCHEMES",
+                   help="quantized targets to add, comma-separated: int4, int8 (ort: MatMulNBits weights), w8a16 "
+                        "(npu: QDQ, calibrated); none [none]")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset of the exported graphs [{DEFAULT_OPSET}]")
     _config_flags(p)
     return p
@@ -59,7 +63,8 @@ def _export(args) -> int:
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(AttentionConfig) if getattr(args, f.name) is not None}
     config = preset(args.preset, **overrides)
     out = args.out or f"artifacts/{args.preset}" + (f"-{args.kind}" if args.kind != "attention" else "")
-    export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset)
+    export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset,
+                 quant=parse_quant(args.quant))
     return 0
 
 

@@ -7,6 +7,7 @@ the manifest last: a manifest on disk means its graphs passed.
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import onnx
@@ -17,15 +18,17 @@ from models.checkpoint import folder_extras
 from models.contract import STEPS, io_specs, npu_io_specs, step_len
 from passes.leftovers import FUSED_OPS, unfused_attention
 from passes.lint import lint
-from passes.lower_npu import MASK_VALUE
 from passes.model_io import save
 from passes.pipeline import TARGETS, run_pipeline
 from passes.static_shapes import check_static
 from runtime.drivers import Generator, HostCacheGenerator
-from runtime.parity import TOLERANCE, sequence_parity, step_parity, token_parity, within, worst
+from runtime import accuracy
+from runtime.metrics import close as within
+from runtime.parity import TOLERANCE, reference_model, sequence_parity, step_parity, token_parity, worst
 from runtime.session import StepSession
 
 from .atomic import staged_dir, write_json
+from . import quantize
 from .manifest import build_manifest
 from .torch_export import DEFAULT_OPSET, to_onnx
 from .weights_file import NAME as WEIGHTS_FILE, WeightsFile
@@ -55,26 +58,44 @@ def parity_cases(config: AttentionConfig, step: str) -> list[int]:
 
 def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "attention", seed: int = 0,
                  weights: str | None = None, layer: int | None = None, opset: int = DEFAULT_OPSET,
-                 name: str | None = None, targets: tuple[str, ...] = TARGETS, log=print) -> dict:
+                 name: str | None = None, targets: tuple[str, ...] = TARGETS, quant: tuple[str, ...] = (),
+                 log=print) -> dict:
     """Export, check and write the model's graphs. The whole model (`lm`) keeps its weights once, in one
-    external-data file every graph points into; a Hugging Face folder as `weights` gives it its dims."""
+    external-data file every graph points into; a Hugging Face folder as `weights` gives it its dims.
+    `quant` adds a quantized target per scheme (export/quantize.py) beside the target it quantizes."""
     out_dir = Path(out_dir)
+    missing = [q for q in quant if quantize.SCHEMES[q].base not in targets]
+    if missing:
+        raise quantize.QuantError(f"--quant {','.join(missing)} quantizes the "
+                                  f"{'/'.join(sorted({quantize.SCHEMES[q].base for q in missing}))} target, which is not exported")
     config = model_config(config, kind, weights)
     model = build_model(config, kind, seed, weights, layer)
-    graphs, sequence = [], {}
+    graphs, sequence, floats = [], {}, {}
     with staged_dir(out_dir) as tmp:
         store = WeightsFile(tmp) if kind == "lm" else None
+        build = lambda graph, report, step, target: _publish(model, config, kind, graph, report, step, target,  # noqa: E731
+                                                              tmp, seed, store)
         for step in STEPS:
             exported = to_onnx(model, config, step_len(config, step), opset, kind)
-            for target in targets:
-                graphs.append(_build_graph(model, config, kind, exported, step, target, tmp, seed, store))
+            for target in targets + tuple(quantize.target(q) for q in quant if quantize.SCHEMES[q].base == "ort"):
+                graph, report = _pipeline(exported, target if _quantized(target, step) else target.split("-")[0])
+                if target == "npu" and any(quantize.SCHEMES[q].base == "npu" for q in quant):
+                    floats[step] = (ir.serde.deserialize_model(ir.serde.serialize_model(graph)), report)
+                graphs.append(build(graph, report, step, target))
+        for q in (q for q in quant if quantize.SCHEMES[q].base == "npu"):
+            graphs += _qdq_graphs(q, graphs, floats, tmp, config, kind, build)
         weights_info = {"source": weights or f"random(seed={seed})", "layer": layer, "checksum": checksum(model)}
         extras = {}
         if store is not None:
             weights_info |= {"file": WEIGHTS_FILE, "bytes": store.close()}
             extras = _lm_extras(weights, tmp)
-        for target in targets:
+        for target in dict.fromkeys(g["target"] for g in graphs):
             sequence[target] = _sequence_parity(model, config, kind, graphs, target, tmp, seed)
+        if quant:
+            prompts = accuracy.prompt_set(config) if kind == "lm" else []
+            refs = accuracy.references(reference_model(model), prompts)
+            extras["quantization"] = {quantize.target(q): quantize.describe(q) | _accuracy(kind, graphs, q, tmp, prompts, refs)
+                                      for q in quant}
         manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, sequence, weights_info, extras)
         write_json(tmp / "manifest.json", manifest)
     for g in graphs:
@@ -89,16 +110,54 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
     log(f"wrote {out_dir / 'manifest.json'}: prefill inputs {shapes}{', ...' if len(graphs[0]['inputs']) > 3 else ''}; "
         f"{what} parity (prompt {sequence[targets[0]]['prompt_len']} + {sequence[targets[0]]['decode_steps']} decode steps) "
         + ", ".join(f"{t} {sequence[t]['max_abs']:.1e}" + (f" (top-1 {sequence[t]['top1_agreement']:.0%})" if kind == "lm" else "")
-                    for t in targets))
+                    for t in sequence))
+    for t, q in manifest.get("lm", {}).get("quantization", {}).items():
+        if "accuracy" in q:
+            a = q["accuracy"]
+            log(f"{t} accuracy vs fp32 eager ({len(a['prompts'])} prompts + {a['decode_steps']} steps): max rel "
+                f"{a['max_rel']:.3f}, mean rel {a['mean_rel']:.3f}, KL {a['kl_mean']:.2e}, top-1 {a['top1']:.0%}, "
+                f"greedy {a['greedy_match']:.0%}")
     return manifest
 
 
-def _build_graph(model, config: AttentionConfig, kind: str, exported: ir.Model, step: str, target: str, tmp: Path,
-                 seed: int, store: WeightsFile | None) -> dict:
-    """Run the target's passes on a copy of the exported graph, save it, and check it before it counts."""
+def _quantized(target: str, step: str) -> bool:
+    """Whether `target` runs its own graph for `step`: every plain target does; a quantized one only for the steps its
+    scheme quantizes (the others run the base target's graph)."""
+    scheme = target.partition("-")[2]
+    return not scheme or step in quantize.SCHEMES[scheme].quantized_steps
+
+
+def _pipeline(exported: ir.Model, target: str) -> tuple[ir.Model, dict]:
     graph = ir.serde.deserialize_model(ir.serde.serialize_model(exported))
-    report = run_pipeline(graph, target)
-    fused = _check_fused(graph, report, target, config.num_layers if kind == "lm" else 1, f"{step}.{target}")
+    return graph, run_pipeline(graph, target)
+
+
+def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config: AttentionConfig, kind: str,
+                build) -> list[dict]:
+    """The npu graphs in QDQ form, their activation ranges recorded by running the float npu graphs just written."""
+    sessions = [StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu")
+                for step in STEPS for g in graphs if g["step"] == step and g["target"] == "npu"]
+    feeds = quantize.record_feeds(HostCacheGenerator(*sessions, quantize.QDQ_MASK_VALUE),
+                                  quantize.calibration_inputs(config, kind))
+    out = []
+    for step in STEPS:
+        graph, report = floats[step]
+        qdq = quantize.qdq(graph, feeds[step])
+        entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {len(feeds[step])} calibration feeds",
+                 "stats": {"quantize_linear": sum(n.op_type == "QuantizeLinear" for n in qdq.graph)}, "not_matched": []}
+        out.append(build(qdq, {**report, "passes": report["passes"] + [entry]}, step, quantize.target(scheme)))
+        out[-1]["calibration"] = {"method": "MinMax", "feeds": len(feeds[step]),
+                                  "inputs": f"{quantize.CALIBRATION_PROMPTS} seeded random prompts "
+                                            f"({'token ids' if kind == 'lm' else 'hidden states'}), each read as a prompt "
+                                            f"then {quantize.CALIBRATION_DECODE_STEPS} decode steps"}
+    return out
+
+
+def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report: dict, step: str, target: str,
+             tmp: Path, seed: int, store: WeightsFile | None) -> dict:
+    """Save the target's graph, and check it before it counts."""
+    base, _, scheme = target.partition("-")
+    fused = _check_fused(graph, report, base, config.num_layers if kind == "lm" else 1, f"{step}.{target}")
     path = tmp / f"{step}.{target}.onnx"
     if store is not None:
         store.externalize(graph)
@@ -106,24 +165,32 @@ def _build_graph(model, config: AttentionConfig, kind: str, exported: ir.Model, 
         data = WEIGHTS_FILE
     else:
         data = save(graph, path)
-    if target != "ort":  # onnxruntime's contrib ops are not in ONNX's schema registry; ORT loads them below
+    if base != "ort":  # onnxruntime's contrib ops are not in ONNX's schema registry; ORT loads them below
         onnx.checker.check_model(str(path), full_check=True)
-    check_static(path, strict=target != "ort")
-    if target == "npu" and (violations := lint(path, "npu")):
-        raise LintError(f"{path.name}: {len(violations)} npu lint violation(s), e.g. {violations[0]}")
+    check_static(path, strict=base != "ort")
+    if base == "npu" and (violations := lint(path, "npu")):
+        rules = ", ".join(f"{r} ({n})" for r, n in Counter(v.rule for v in violations).items())
+        first = {v.rule: v for v in reversed(violations)}
+        raise LintError(f"{path.name}: {len(violations)} npu lint violation(s): {rules}; e.g. "
+                        + "; ".join(f"{v.rule}: {v.node} ({v.op}): {v.message}" for v in first.values()))
     t = step_len(config, step)
-    io = npu_io_specs(config, t, kind) if target == "npu" else io_specs(config, t, kind)
+    io = npu_io_specs(config, t, kind) if base == "npu" else io_specs(config, t, kind)
     session = StepSession(path, io["inputs"], io["outputs"], provider="cpu")
-    runner = HostCacheGenerator(session, session, MASK_VALUE) if target == "npu" else session
+    mask = quantize.mask_value(target)
+    runner = HostCacheGenerator(session, session, mask) if base == "npu" else session
     cases = [step_parity(model, runner, config, t, p0, seed, kind) for p0 in parity_cases(config, step)]
     err = worst(cases)
-    if not within(err, config.dtype):
-        raise ParityError(f"{path.name}: max error {err} against eager PyTorch; expected within {TOLERANCE[config.dtype]}")
+    tolerance = _tolerance(config, target)
+    # A quantized graph's ranges are calibrated on real K/V rows, not on the random ones step parity fills the cache
+    # with, so its step errors are recorded here and its budget is held on real caches, by the sequence check.
+    if not scheme and not within(err, tolerance):
+        raise ParityError(f"{path.name}: max error {err} against eager PyTorch; expected within {tolerance}")
     return {"step": step, "target": target, "file": path.name, "external_data": data,
             "bytes": path.stat().st_size + ((tmp / data).stat().st_size if data and store is None else 0),
-            "cache_in_place": target in IN_PLACE_TARGETS, "attention_fused": fused, **io,
-            **({"host_cache": {"mask_value": MASK_VALUE}} if target == "npu" else {}),
-            "parity": {"reference": "eager PyTorch, fp32", "tolerance": TOLERANCE[config.dtype], **err,
+            "cache_in_place": base in IN_PLACE_TARGETS, "attention_fused": fused, **io,
+            **({"host_cache": {"mask_value": mask}} if base == "npu" else {}),
+            **({"quantized": _quantized(target, step)} if scheme else {}),
+            "parity": {"reference": "eager PyTorch, fp32", "tolerance": tolerance, **err,
                        "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel")} for c in cases]},
             "passes": report["passes"]}
 
@@ -158,12 +225,31 @@ def _sequence_parity(model, config: AttentionConfig, kind: str, graphs: list[dic
     sessions = {g["step"]: StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu",
                                        cache_in_place=g["cache_in_place"])
                 for g in graphs if g["target"] == target}
-    driver = HostCacheGenerator(sessions["prefill"], sessions["decode"], MASK_VALUE) if target == "npu" \
-        else Generator(sessions["prefill"], sessions["decode"])
+    driver = _driver(sessions, target)
     decode_steps = min(16, config.capacity // 2)  # a prompt over one chunk, then up to 16 decode steps
     prompt_len = min(config.capacity - decode_steps, config.chunk + config.chunk // 2 + 1)
     check = token_parity if kind == "lm" else sequence_parity
     seq = check(model, driver, config, prompt_len=prompt_len, decode_steps=decode_steps, seed=seed)
-    if not within(seq, config.dtype):
-        raise ParityError(f"{target}: sequence parity max error {seq} against the eager full-sequence forward")
+    if not within(seq, _tolerance(config, target)):
+        raise ParityError(f"{target}: sequence parity max error {seq} against the eager full-sequence forward; "
+                          f"expected within {_tolerance(config, target)}")
     return seq
+
+
+def _driver(sessions: dict, target: str):
+    return HostCacheGenerator(sessions["prefill"], sessions["decode"], quantize.mask_value(target)) \
+        if target.startswith("npu") else Generator(sessions["prefill"], sessions["decode"])
+
+
+def _tolerance(config: AttentionConfig, target: str) -> float:
+    return quantize.tolerance(target, TOLERANCE[config.dtype])
+
+
+def _accuracy(kind: str, graphs: list[dict], scheme: str, tmp: Path, prompts: list, refs: list) -> dict:
+    """The whole model's accuracy figures (runtime/accuracy.py) for a quantized target; other kinds have none."""
+    if kind != "lm":
+        return {}
+    target = quantize.target(scheme)
+    sessions = {g["step"]: StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu",
+                                       cache_in_place=g["cache_in_place"]) for g in graphs if g["target"] == target}
+    return {"accuracy": {"reference": "eager PyTorch fp32", **accuracy.measure(_driver(sessions, target), prompts, refs)}}

@@ -28,12 +28,14 @@ from runtime.cli import Parser, run
 from runtime.parity import TOLERANCE, reference_model
 from runtime.verify import available_runtimes, verify_graph
 
+from . import quantize
 from .atomic import staged_dir
 from .exporter import export_model
 
+# Per kind: (dtype, targets); a quantized target (npu-w8a16) shares its float graph's folder and weights file.
 VARIANTS = {"attention": (("fp32", ("onnx", "npu")), ("fp16", ("npu",))),
             "block": (("fp32", ("onnx", "npu")), ("fp16", ("npu",))),
-            "lm": (("fp32", ("npu",)), ("fp16", ("npu",)))}
+            "lm": (("fp32", ("npu", "npu-w8a16")), ("fp16", ("npu",)))}
 KINDS = tuple(VARIANTS)
 DECODE_STEPS = 8
 
@@ -49,6 +51,7 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     else:
         x = torch.randn(b, t + DECODE_STEPS, config.hidden_size, generator=gen).to(config.torch_dtype).float()
     names, outs = input_names(config, kind), output_names(config, kind)
+    npu = target.startswith("npu")
     cache = [torch.zeros(b, config.num_kv_heads, config.capacity, config.head_dim) for _ in names[2:]]
     steps = {"prefill": [], "decode": []}
     for step, p0, n in [("prefill", 0, t)] + [("decode", t + i, 1) for i in range(DECODE_STEPS)]:
@@ -56,15 +59,15 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
         inp = x if lm else x[:, p0:p0 + n]
         with torch.no_grad():
             out, *presents = reference(inp, pos, *cache)
-        feeds = {names[0]: inp.numpy().astype("int32" if target == "npu" else "int64") if lm else inp.numpy().astype(np_dtype),
-                 "position_ids": pos.numpy().astype("int32" if target == "npu" else "int64")}
+        feeds = {names[0]: inp.numpy().astype("int32" if npu else "int64") if lm else inp.numpy().astype(np_dtype),
+                 "position_ids": pos.numpy().astype("int32" if npu else "int64")}
         want = {outs[0]: out.numpy()}
-        if target == "npu":
-            feeds["attention_mask"] = host_mask(b, config.capacity, p0, n, MASK_VALUE, np_dtype)
+        if npu:
+            feeds["attention_mask"] = host_mask(b, config.capacity, p0, n, quantize.mask_value(target), np_dtype)
             want |= {new: p[:, :, p0:p0 + n].numpy() for new, p in zip(cache_names(config, kind, ""), presents)}
         else:
             want |= {name: p.numpy() for name, p in zip(outs[1:], presents)}
-        if not (lm and target == "npu"):
+        if not (lm and npu):
             feeds |= {name: c.numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
         elif not steps[step] and p0:  # the rows a host holds before this graph's first step: its cache's start
             feeds |= {name: c[:, :, :p0].numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
@@ -92,24 +95,29 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
         for kind in kinds:
             for dtype, targets in VARIANTS[kind]:
                 c, folder = config.replace(dtype=dtype), f"{kind}-{dtype}"
-                export_model(c, tmp / folder, kind=kind, seed=seed, targets=targets, log=lambda *_: None)
+                export_model(c, tmp / folder, kind=kind, seed=seed, targets=tuple(t for t in targets if "-" not in t),
+                             quant=tuple(t.partition("-")[2] for t in targets if "-" in t), log=lambda *_: None)
                 model = build_model(c, kind, seed)
                 for target in targets:
                     for step, steps in golden(model, c, target, kind, seed).items():
                         name = f"{folder}/{step}.{target}"
                         save_golden(tmp / f"{name}.golden.npz", steps)
                         graphs.append({"file": f"{name}.onnx", "golden": f"{name}.golden.npz", "kind": kind, "dtype": dtype,
-                                       "target": target, "step": step, "tolerance": TOLERANCE[dtype]}
+                                       "target": target, "step": step,
+                                       "tolerance": quantize.tolerance(target, TOLERANCE[dtype])}
+                                      | ({"quantized": quantize.describe(target.partition("-")[2])} if "-" in target else {})
                                       | ({"host_cache": {"inputs": cache_names(c, kind, "past_"),
                                                          "shape": [c.batch, c.num_kv_heads, c.capacity, c.head_dim]}}
                                          if kind == "lm" else {}))
                 log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors")
-        for g in (g for g in graphs if g["target"] == "npu" and socs):
+        for g in (g for g in graphs if g["target"].startswith("npu") and socs):
             compiled = {soc: g["file"].replace(".onnx", f".qnn{soc}.onnx") for soc in socs}
-            g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f) for soc, f in compiled.items()}
+            g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f, fp16="quantized" not in g)
+                        for soc, f in compiled.items()}
             log(f"compiled {g['file']} for the QNN HTP of SoC {', '.join(map(str, socs))}")
-        lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], g["target"])],
-                             "notes": [vars(v) for v in lint(tmp / g["file"], g["target"], notes=True)]} for g in graphs}
+        profile = lambda g: g["target"].partition("-")[0]  # noqa: E731
+        lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], profile(g))],
+                             "notes": [vars(v) for v in lint(tmp / g["file"], profile(g), notes=True)]} for g in graphs}
         runtimes = {rt: {t: all(verify_graph(tmp, g, rt)["ok"] for g in graphs if g["target"] == t)
                          for t in dict.fromkeys(g["target"] for g in graphs)} for rt in available_runtimes(socs)}
         if not all(runtimes["onnxruntime"].values()) or any(lints[g["file"]]["violations"] for g in graphs):
@@ -119,7 +127,8 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                     "qnn": {"version": qnn.version(), "socs": list(socs), "soc_names": {str(s): qnn.SOC_NAMES.get(s, "")
                                                                                       for s in socs},
                             "emulated": "compiled and run in host emulation of the HTP, not on a phone",
-                            "precision": "fp16 (enable_htp_fp16_precision=1), fp32 graphs judged at 1e-2"}
+                            "precision": "float graphs in fp16 (enable_htp_fp16_precision=1), judged at 1e-2; QDQ graphs "
+                                         "(npu-w8a16) as quantized, judged at their accuracy budget"}
                     if socs else {"socs": [], "note": "onnxruntime-qnn is not installed: nothing compiled for the HTP"}}
         (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -149,6 +158,8 @@ CONTRACT = {
                   "end; the next chunk overwrites those rows), or, shorter than T, all but its last token as one "
                   "padded chunk and the last token as a decode step",
         "weights": "weights.data beside the graphs (ONNX external data), shared by prefill and decode",
+        "quantized": f"npu-w8a16: the same step in QDQ form (opset 21), attention_mask entries {quantize.QDQ_MASK_VALUE} "
+                     f"instead of {MASK_VALUE}",
     },
     "onnx": {
         "inputs": "hidden_states [B,T,E]; position_ids [B,T] int64; past_key, past_value [B,Hkv,C,D]",
@@ -168,6 +179,7 @@ def readme(config: AttentionConfig, runtimes: dict, htp: dict) -> str:
                 "onnxruntime's QNN execution provider on a device with that chip, and nothing is compiled on the device. "
                 "The HTP runs the float graphs in fp16. They were compiled and checked in QNN's host emulation of the "
                 "HTP, not on a phone.") if htp["socs"] else htp["note"]
+    QDQ_MASK = quantize.QDQ_MASK_VALUE  # noqa: N806
     return f"""# Attention hand-off bundle
 
 MiniMind's attention block, decoder block and whole causal language model (E={config.hidden_size},
@@ -180,6 +192,13 @@ weights (seed 0), as static ONNX graphs.
 | `attention-fp32/`, `block-fp32/` | `prefill.npu.onnx`, `decode.npu.onnx` (opset 17), `prefill.onnx.onnx`, `decode.onnx.onnx` (opset 24) |
 | `attention-fp16/`, `block-fp16/` | `prefill.npu.onnx`, `decode.npu.onnx` in fp16 |
 | `lm-fp32/`, `lm-fp16/` | the whole model's `prefill.npu.onnx`, `decode.npu.onnx`, their weights in `weights.data` |
+| `lm-fp32/` | also `prefill.npu-w8a16.onnx`, `decode.npu-w8a16.onnx`: the same steps quantized (QDQ, opset 21) |
+
+The quantized (QDQ) graphs hold QuantizeLinear/DequantizeLinear pairs around every op: weights int8 symmetric
+per output channel, activations uint16 with ranges calibrated on activations recorded from real forward passes
+(the calibration set and method are in each export's `manifest.json`). Their mask value is {QDQ_MASK}, not
+{MASK_VALUE}, so the 16-bit scores keep their resolution. They are judged against eager fp32 at their accuracy
+budget (`tolerance` in manifest.json), not at 1e-4; the measured accuracy is in `lm-fp32/manifest.json`.
 
 Every graph has a `*.golden.npz` beside it: inputs and eager-PyTorch (fp32) outputs for a prefill chunk at
 position 0 (prefill graphs) or 8 decode steps after it (decode graphs); the whole model's decode steps feed

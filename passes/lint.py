@@ -5,7 +5,11 @@ and the exit status is 1 if there is any. `npu` is what NPU compilers (QNN, Open
 Vitis AI) accept: opset 17, static shapes, no control flow, no shape-computing, scatter
 (QNN's HTP has none) or repeat ops, no computed Reshape, int32 integer inputs, no boolean
 inputs (QNN refuses a boolean attention mask: it wants an additive float one), no
-infinities. `onnx` and `ort` check what their targets promise: static shapes and every
+infinities. A quantized (QDQ) npu graph also keeps what QNN, OpenVINO and Vitis AI state for
+QDQ models: 16-bit activations at opset 21 (where 16-bit QuantizeLinear is standard; 17
+otherwise), every constant weight an int8 tensor with zero point 0 behind a DequantizeLinear
+(symmetric weights), every compute op between DequantizeLinear and QuantizeLinear (no float
+islands, which the HTP would run in fp16 or refuse), scales finite and positive. `onnx` and `ort` check what their targets promise: static shapes and every
 attention fused, without a K/V repeat; `onnx` also standard domains only at opset 24.
 
 Notes are what a toolchain needs told rather than errors, printed without failing: on the
@@ -54,6 +58,66 @@ def opset(version: int):
         return [] if got == version else [Violation("opset", "", "", f"default-domain opset {got}; expected {version}")]
     rule.__name__ = f"opset_{version}"
     return rule
+
+
+def npu_opset(model, path):
+    """17; 21 for a QDQ graph with 16-bit activations (QuantizeLinear to int16/uint16 is standard from opset 21)."""
+    wide = any(n.op_type == "QuantizeLinear" and len(n.inputs) > 2 and n.inputs[2] is not None
+               and n.inputs[2].dtype in (ir.DataType.UINT16, ir.DataType.INT16) for n in _nodes(model))
+    return opset(21 if wide else 17)(model, path)
+
+
+QDQ = {"QuantizeLinear", "DequantizeLinear"}
+MOVES = {"Reshape", "Transpose", "Concat", "Slice", "Split", "Squeeze", "Unsqueeze", "Gather", "Identity"}
+
+
+WEIGHTED = {"MatMul": 1, "Gemm": 1, "Conv": 1}
+
+
+def qdq_weights(model, path):
+    """In a QDQ graph, the weight of a MatMul/Gemm/Conv is an int8 constant with zero point 0 and positive scales behind
+    a DequantizeLinear (symmetric weights, what QNN, OpenVINO and Vitis AI take per channel); other constants (norm
+    weights, tables) are quantized like activations."""
+    if not any(n.op_type in QDQ for n in _nodes(model)):
+        return []
+    found = []
+    for n in (n for n in _nodes(model) if n.op_type in WEIGHTED and len(n.inputs) > WEIGHTED[n.op_type]):
+        w = n.inputs[WEIGHTED[n.op_type]]
+        dq = w.producer() if w is not None else None
+        if dq is None or dq.op_type != "DequantizeLinear" or const(dq.inputs[0]) is None:
+            if w is not None and const(w) is not None:
+                found.append(Violation("qdq-weights", n.name, n.op_type, f"weight {w.name} is float; expected int8 "
+                                       "behind a DequantizeLinear"))
+            continue
+        zero = const(dq.inputs[2]) if len(dq.inputs) > 2 and dq.inputs[2] is not None else np.zeros(1)
+        scale = const(dq.inputs[1])
+        if dq.inputs[0].dtype != ir.DataType.INT8 or zero is None or zero.any():
+            found.append(Violation("qdq-weights", n.name, n.op_type, f"weight {dq.inputs[0].name} is "
+                                   f"{dq.inputs[0].dtype} with zero point {zero}; expected int8, symmetric"))
+        if scale is None or not (np.isfinite(scale).all() and (scale > 0).all()):
+            found.append(Violation("qdq-weights", n.name, n.op_type, f"scale {dq.inputs[1].name}: expected finite and "
+                                   "positive"))
+    return found
+
+
+def qdq_complete(model, path):
+    """In a QDQ graph, every compute op reads activations from DequantizeLinear and writes them through QuantizeLinear."""
+    if not any(n.op_type in QDQ for n in _nodes(model)):
+        return []
+    outputs = {id(v) for v in model.graph.outputs}
+    found = []
+    for n in _nodes(model):
+        if n.op_type in QDQ or n.op_type in MOVES:
+            continue
+        floats = [v for v in n.inputs if v is not None and v.dtype == ir.DataType.FLOAT and const(v) is None]
+        bad_in = [v.name for v in floats if v.producer() is None or v.producer().op_type != "DequantizeLinear"]
+        bad_out = [v.name for v in n.outputs if v.dtype == ir.DataType.FLOAT and id(v) not in outputs
+                   and not any(u.op_type == "QuantizeLinear" for u, _ in v.uses())]
+        if bad_in or bad_out:
+            found.append(Violation("qdq-complete", n.name, n.op_type, f"float {'input' if bad_in else 'output'} "
+                                   f"{(bad_in or bad_out)[0]} is not quantized; expected DequantizeLinear -> op -> "
+                                   "QuantizeLinear"))
+    return found
 
 
 def static_shapes(model, path):
@@ -118,9 +182,9 @@ def fp32_tables(model, path):
 
 
 PROFILES = {
-    "npu": [opset(17), static_shapes, forbidden("control-flow", CONTROL_FLOW), forbidden("shape-op", SHAPE_OPS),
+    "npu": [npu_opset, static_shapes, forbidden("control-flow", CONTROL_FLOW), forbidden("shape-op", SHAPE_OPS),
             forbidden("scatter", SCATTER_OPS), forbidden("repeat", REPEAT_OPS), computed_reshape, int32_inputs,
-            no_bool_inputs, finite_constants, standard_domains],
+            no_bool_inputs, finite_constants, standard_domains, qdq_weights, qdq_complete],
     "onnx": [opset(24), static_shapes, standard_domains, attention_fused],
     "ort": [static_shapes, attention_fused],
 }

@@ -108,7 +108,8 @@ def _ids(text: str) -> list[int]:
 def parser() -> Parser:
     p = Parser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("folder", help="an export of the whole model (python -m export --kind lm)")
-    p.add_argument("--target", default="ort", choices=("raw", "onnx", "ort", "npu"), help="which graphs run [ort]")
+    p.add_argument("--target", default="ort", choices=("raw", "onnx", "ort", "npu", "ort-int4", "ort-int8", "npu-w8a16"),
+                   help="which graphs run; the quantized ones where the export wrote them (--quant) [ort]")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", type=_ids, metavar="1,2,3", help="the prompt as token ids")
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as text (needs a tokenizer)")

@@ -52,9 +52,11 @@ def _devices():
     return [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
 
 
-def session(path: str | Path, soc: int, context: Path | None = None, trace: Path | None = None) -> ort.InferenceSession:
+def session(path: str | Path, soc: int, context: Path | None = None, trace: Path | None = None,
+            fp16: bool = True) -> ort.InferenceSession:
     """The graph (or a compiled EPContext model) on the HTP of SoC `soc`, every node on it; `context` writes the
-    compiled model there, `trace` the op trace into that folder."""
+    compiled model there, `trace` the op trace into that folder. `fp16`: run float ops in fp16 (what float graphs
+    need); a quantized (QDQ) graph compiles without it."""
     options = ort.SessionOptions()
     options.log_severity_level = 4  # a graph the HTP refuses surfaces as the exception, not as log lines
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
@@ -62,21 +64,21 @@ def session(path: str | Path, soc: int, context: Path | None = None, trace: Path
         options.add_session_config_entry("ep.context_enable", "1")
         options.add_session_config_entry("ep.context_file_path", str(context))
         options.add_session_config_entry("ep.context_embed_mode", "1")
-    provider = {"backend_type": "htp", "soc_model": str(soc), "enable_htp_fp16_precision": "1"}
+    provider = {"backend_type": "htp", "soc_model": str(soc), "enable_htp_fp16_precision": "1" if fp16 else "0"}
     if trace is not None:
         provider |= {"enable_framework_op_trace": "1", "framework_op_trace_dir": str(trace)}
     options.add_provider_for_devices(_devices(), provider)
     return ort.InferenceSession(str(path), options)
 
 
-def compile_graph(path: Path, soc: int, out: Path) -> dict:
+def compile_graph(path: Path, soc: int, out: Path, fp16: bool = True) -> dict:
     """Compile `path` for SoC `soc` into the EPContext model `out`; what it took and where the nodes went."""
     with tempfile.TemporaryDirectory() as trace:
         start = time.perf_counter()
-        session(path, soc, context=out, trace=Path(trace))
+        session(path, soc, context=out, trace=Path(trace), fp16=fp16)
         seconds = time.perf_counter() - start
         placement = _placement(Path(trace))
-    return {"soc_model": soc, "qnn": version(), "compile_seconds": round(seconds, 1), "bytes": out.stat().st_size,
+    return {"soc_model": soc, "qnn": version(), "fp16_precision": fp16, "compile_seconds": round(seconds, 1), "bytes": out.stat().st_size,
             "placement": placement}
 
 

@@ -6,7 +6,8 @@ OpenVINO on its CPU device; and where `onnxruntime-qnn` is installed, on Qualcom
 in host emulation for each SoC the bundle was compiled for (`qnn-htp-57`, ...): through the
 bundle's compiled EPContext model for that SoC where it has one, else compiled from the graph,
 either way with no CPU fallback. The HTP runs float graphs in fp16, so they are judged at the
-fp16 tolerance there. Each output is compared with the eager-PyTorch output stored beside
+fp16 tolerance there; quantized (QDQ) graphs run as quantized, everywhere judged at the accuracy
+budget the bundle records for them. Each output is compared with the eager-PyTorch output stored beside
 the inputs (present_* only on the rows written so far, as the step contract says). Prints one
 line per graph and runtime; exits 1 if a graph fails in onnxruntime, or a graph the manifest
 says another runtime accepts fails there.
@@ -90,8 +91,8 @@ def _openvino(path: Path):
     return run
 
 
-def _qnn(path: Path, soc: int):
-    session = qnn.session(path, soc)
+def _qnn(path: Path, soc: int, fp16: bool):
+    session = qnn.session(path, soc, fp16=fp16)
     return lambda feeds: dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
 
 
@@ -103,7 +104,7 @@ def _runner(bundle: Path, graph: dict, runtime: str):
     if runtime.startswith(QNN):
         soc = runtime.removeprefix(QNN)
         compiled = graph.get("qnn", {}).get(soc)
-        return _qnn(bundle / (compiled["file"] if compiled else graph["file"]), int(soc))
+        return _qnn(bundle / (compiled["file"] if compiled else graph["file"]), int(soc), "quantized" not in graph)
     return RUNTIMES[runtime](bundle / graph["file"])
 
 
@@ -168,7 +169,9 @@ def verify(bundle: str | Path, log=print) -> bool:
             if runtime.startswith(QNN) and "steps" in r:
                 soc = runtime.removeprefix(QNN)
                 detail += (f", compiled {graph['qnn'][soc]['file']}" if soc in graph.get("qnn", {}) else "") \
-                    + ", fp16 on the HTP"
+                    + (", quantized on the HTP" if "quantized" in graph else ", fp16 on the HTP")
+            if "quantized" in graph and "steps" in r:
+                detail += f" (budget {graph['tolerance']})"
             log(f"{status:5s} {runtime:12s} {graph['file']}: {detail}")
             ok &= r["ok"] or not expected
     return ok

@@ -1,0 +1,149 @@
+"""Quantized targets: what each `--quant` scheme is, and the QDQ graphs NPU toolchains compile.
+
+- `int4`, `int8` (target `ort-int4`, `ort-int8`): the ort graph with its linear layers' weights
+  as MatMulNBits blocks (passes/quantize_weights.py), activations fp32. A step whose quantized
+  form measured slower than fp32 on this CPU keeps the fp32 graph (int8 prefill: onnxruntime's
+  8-bit kernel is 1.4x slower than fp32 GEMM at 128 rows; benchmarks/quant.md).
+- `w8a16` (target `npu-w8a16`): the npu graph in QDQ form for NPU compilers (QNN HTP, OpenVINO):
+  weights int8 symmetric (per output channel), activations uint16 with ranges calibrated on
+  activations recorded from real forward passes, by onnxruntime's static quantizer (MinMax). The
+  graph moves to opset 21, where 16-bit QuantizeLinear is standard ONNX.
+
+Each scheme has an accuracy budget: the worst relative error a step or a sequence may show
+against fp32 eager PyTorch before the export refuses the graph; measured figures go into the
+manifest beside it.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from models import AttentionConfig
+from runtime.drivers import Driver
+
+from passes.lower_npu import MASK_VALUE
+from passes.pipeline import WEIGHT_ONLY
+from passes.quantize_weights import ort_quantization, quiet
+
+
+@dataclass(frozen=True)
+class Scheme:
+    base: str                  # the target it quantizes
+    quantized_steps: tuple     # steps that get the quantized graph (the others keep the base graph)
+    budget: float              # max relative error against fp32 eager, per step and over a sequence
+    what: str
+
+
+SCHEMES = {
+    "int4": Scheme("ort", ("prefill", "decode"), 1.0, "weights int4 (MatMulNBits, symmetric, block {1}, accuracy level "
+                                                      "{2}), activations fp32"),
+    "int8": Scheme("ort", ("decode",), 1.0, "weights int8 (MatMulNBits, symmetric, block {1}, accuracy level {2}), "
+                                            "activations fp32; prefill keeps fp32 weights (measured faster)"),
+    "w8a16": Scheme("npu", ("prefill", "decode"), 1.0, "QDQ: weights int8 symmetric per output channel, activations "
+                                                       "uint16 asymmetric per tensor, MinMax-calibrated"),
+}
+QDQ_OPSET = 21
+QDQ_MASK_VALUE = -100.0
+CALIBRATION_PROMPTS = 8
+CALIBRATION_DECODE_STEPS = 8
+
+
+class QuantError(ValueError):
+    """A quantization scheme that does not apply here."""
+
+
+def parse(quant: str | None) -> tuple[str, ...]:
+    """'int4,w8a16' -> ('int4', 'w8a16'); 'none' or empty -> ()."""
+    names = tuple(dict.fromkeys(q.strip() for q in (quant or "").split(",") if q.strip() and q.strip() != "none"))
+    unknown = [n for n in names if n not in SCHEMES]
+    if unknown:
+        raise QuantError(f"--quant: unknown scheme(s) {unknown}; expected a comma-separated list of {', '.join(SCHEMES)} or none")
+    return names
+
+
+def target(scheme: str) -> str:
+    return f"{SCHEMES[scheme].base}-{scheme}"
+
+
+def mask_value(target: str) -> float:
+    """The npu graphs' masked-score value: -30000 (finite in fp16), -100 in QDQ graphs, whose 16-bit scores after the
+    mask would otherwise step by 0.5 (exp(-100) is as good as zero next to any visible score)."""
+    return QDQ_MASK_VALUE if target.partition("-")[2] in SCHEMES else MASK_VALUE
+
+
+def tolerance(target: str, float_tolerance: float) -> float:
+    """What a graph of `target` is held to against eager fp32: its scheme's budget, or the float tolerance."""
+    scheme = target.partition("-")[2]
+    return SCHEMES[scheme].budget if scheme else float_tolerance
+
+
+def describe(scheme: str) -> dict:
+    s = SCHEMES[scheme]
+    bits, block, level = WEIGHT_ONLY.get(scheme, (8, None, None))
+    return {"scheme": scheme, "base": s.base, "what": s.what.format(bits, block, level), "budget_max_rel": s.budget,
+            "quantized_steps": list(s.quantized_steps)}
+
+
+def calibration_inputs(config: AttentionConfig, kind: str, seed: int = 4321) -> list[np.ndarray]:
+    """Prompts the calibration runs: token ids for the whole model, hidden states [B, L, E] otherwise; lengths spread
+    from a partial chunk to three chunks. A different seed from the accuracy prompts, so accuracy is measured on
+    inputs the ranges never saw."""
+    rng = np.random.default_rng(seed)
+    longest = config.capacity - CALIBRATION_DECODE_STEPS
+    lengths = [min(longest, int(n)) for n in rng.integers(config.chunk // 2, 3 * config.chunk, CALIBRATION_PROMPTS)]
+    if kind == "lm":
+        return [rng.integers(0, config.vocab_size, (config.batch, n + CALIBRATION_DECODE_STEPS)) for n in lengths]
+    return [rng.standard_normal((config.batch, n + CALIBRATION_DECODE_STEPS, config.hidden_size)).astype(np.float32)
+            for n in lengths]
+
+
+def record_feeds(driver: Driver, inputs: list[np.ndarray]) -> dict[str, list[dict]]:
+    """Every feed the prefill and decode sessions of `driver` see while it reads each input (all but its last
+    CALIBRATION_DECODE_STEPS positions as a prompt, then those as decode steps)."""
+    feeds = {"prefill": [], "decode": []}
+    for step, session in (("prefill", driver.prefill_session), ("decode", driver.decode_session)):
+        session.run = _recording(session.run, feeds[step])
+    try:
+        for x in inputs:
+            driver.reset()
+            driver.feed(x[:, :-CALIBRATION_DECODE_STEPS])
+            for i in range(x.shape[1] - CALIBRATION_DECODE_STEPS, x.shape[1]):
+                driver.decode(x[:, i:i + 1])
+    finally:
+        for session in (driver.prefill_session, driver.decode_session):
+            del session.run
+    return feeds
+
+
+def _recording(run, into: list):
+    def recorded(feeds: dict) -> dict:
+        into.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+        return run(feeds)
+    return recorded
+
+
+def qdq(model: ir.Model, feeds: list[dict]) -> ir.Model:
+    """The float npu graph `model` in QDQ form (w8a16), activation ranges from `feeds`."""
+    q = ort_quantization()
+
+    class Reader(q.CalibrationDataReader):
+        def __init__(self):
+            self._it = iter(feeds)
+
+        def get_next(self):
+            return next(self._it, None)
+
+    proto = onnx.version_converter.convert_version(ir.serde.serialize_model(model), QDQ_OPSET)
+    with tempfile.TemporaryDirectory(prefix="qdq-") as tmp, quiet():
+        src, dst = f"{tmp}/float.onnx", f"{tmp}/qdq.onnx"
+        onnx.save(proto, src, save_as_external_data=True, location="float.data")
+        ops = sorted({n.op_type for n in proto.graph.node})  # all of them: its default list leaves e.g. Sqrt in float
+        q.quantize_static(src, dst, Reader(), quant_format=q.QuantFormat.QDQ, per_channel=True, op_types_to_quantize=ops,
+                          activation_type=q.QuantType.QUInt16, weight_type=q.QuantType.QInt8,
+                          extra_options={"QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}, "WeightSymmetric": True,
+                                         "ActivationSymmetric": False})
+        return ir.serde.deserialize_model(onnx.load(dst))

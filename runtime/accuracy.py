@@ -1,0 +1,78 @@
+"""How far a quantized whole model is from fp32 eager PyTorch, measured on a fixed prompt set.
+
+With random weights the top-1 margins are tiny, so a single flipped token says little: the
+distribution measures come first. For every prompt, the model reads the prompt, then decodes
+eager PyTorch's own greedy continuation (teacher forcing, so every step sees the same
+context), and each step's next-token logits are compared with eager's:
+
+- max_rel / mean_rel: max |logits - eager| / max |eager| per step, worst and mean over steps;
+- kl_mean / kl_max: KL(eager || model) of the next-token distributions, in nats;
+- top1: how often the model's argmax is eager's;
+- greedy_match: free-running greedy generation, the share of the N tokens generated before
+  the first one that differs from eager's greedy continuation.
+
+Any object with `reset()`, `feed(ids [1, L]) -> logits [1, 1, V]` and `decode(ids [1, 1])`
+is measured the same way: the runtime's drivers, and onnxruntime-genai (benchmarks/peers.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from models.lm import greedy
+
+PROMPTS = 4
+DECODE_STEPS = 16
+
+
+def prompt_set(config, seed: int = 1234) -> list[np.ndarray]:
+    """PROMPTS prompts of token ids [B, L] (one prompt per batch row repeated), lengths spread over one to three
+    chunks (within the capacity)."""
+    rng = np.random.default_rng(seed)
+    longest = config.capacity - DECODE_STEPS - 1
+    lengths = [min(n, longest) for n in (config.chunk // 2 + 1, config.chunk + 3, 2 * config.chunk + 5, 3 * config.chunk - 1)]
+    return [np.repeat(rng.integers(0, config.vocab_size, (1, n)), config.batch, axis=0) for n in lengths[:PROMPTS]]
+
+
+def references(model, prompts: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Eager fp32's greedy continuation of each prompt and the logits that chose it ([N], [N, V])."""
+    out = []
+    for p in prompts:
+        tokens, logits = greedy(model, torch.from_numpy(p[:1]), DECODE_STEPS + 1)
+        out.append((tokens[0].numpy(), logits[0].numpy()))
+    return out
+
+
+def distribution_errors(got: np.ndarray, ref: np.ndarray) -> dict:
+    """Per-step logit errors and KL(ref || got) over rows of [N, V]."""
+    got, ref = got.astype(np.float64), ref.astype(np.float64)
+    rel = np.abs(got - ref).max(-1) / np.abs(ref).max(-1)
+    logp, logq = _log_softmax(ref), _log_softmax(got)
+    kl = (np.exp(logp) * (logp - logq)).sum(-1)
+    return {"rel": rel, "kl": kl, "top1": got.argmax(-1) == ref.argmax(-1)}
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def measure(driver, prompts: list[np.ndarray], refs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """The figures above for `driver` over the prompt set."""
+    per_step, matched = [], []
+    for prompt, (tokens, ref) in zip(prompts, refs):
+        driver.reset()
+        column = lambda token: np.full((prompt.shape[0], 1), token)  # noqa: E731
+        got = [driver.feed(prompt)[0, -1]] + [driver.decode(column(tokens[i]))[0, -1] for i in range(DECODE_STEPS)]
+        per_step.append(distribution_errors(np.stack(got), ref))
+        driver.reset()
+        nxt, run = int(np.argmax(driver.feed(prompt)[0, -1])), 0
+        while run < DECODE_STEPS and nxt == tokens[run]:
+            run += 1
+            nxt = int(np.argmax(driver.decode(column(nxt))[0, -1]))
+        matched.append(run / DECODE_STEPS)
+    rel, kl = np.concatenate([s["rel"] for s in per_step]), np.concatenate([s["kl"] for s in per_step])
+    return {"max_rel": float(rel.max()), "mean_rel": float(rel.mean()), "kl_mean": float(kl.mean()),
+            "kl_max": float(kl.max()), "top1": float(np.concatenate([s["top1"] for s in per_step]).mean()),
+            "greedy_match": float(np.mean(matched)), "prompts": [int(p.shape[1]) for p in prompts],
+            "decode_steps": DECODE_STEPS}

@@ -1,0 +1,132 @@
+"""Quantized targets: int4/int8 MatMulNBits weights on ort, w8a16 QDQ on npu, their accuracy measured against eager."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from export import export_model
+from export.quantize import QuantError, SCHEMES, parse
+from models import build_model, preset
+from passes.lint import lint
+from runtime import accuracy
+from runtime.artifacts import open_generator
+from runtime.parity import reference_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("quant") / "tiny-lm"
+    manifest = export_model(preset("tiny"), out, kind="lm", quant=("int4", "int8", "w8a16"), log=lambda *_: None)
+    return out, manifest
+
+
+def _ops(path: Path) -> dict:
+    model = onnx.load(str(path), load_external_data=False)
+    ops = {}
+    for n in model.graph.node:
+        ops[n.op_type] = ops.get(n.op_type, 0) + 1
+    return ops
+
+
+def test_weight_only_graphs_keep_the_fusions(exported):
+    out, m = exported
+    layers = m["config"]["num_layers"]
+    for step in ("prefill", "decode"):
+        ops = _ops(out / f"{step}.ort-int4.onnx")
+        assert ops["GroupQueryAttention"] == layers and "MatMul" not in ops  # every linear layer, lm_head included
+        bits = {a.i for n in onnx.load(str(out / f"{step}.ort-int4.onnx"), load_external_data=False).graph.node
+                if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+        assert bits == {4}
+    assert "MatMulNBits" in _ops(out / "decode.ort-int8.onnx")
+    assert "MatMulNBits" not in _ops(out / "prefill.ort-int8.onnx")  # int8 prefill keeps fp32 weights (measured faster)
+    entries = {(g["step"], g["target"]): g for g in m["graphs"]}
+    assert entries["prefill", "ort-int8"]["quantized"] is False and entries["decode", "ort-int8"]["quantized"] is True
+    assert all(g["attention_fused"] == f"{layers}/{layers}" for g in m["graphs"] if g["target"] != "raw")
+
+
+def test_qdq_graphs_are_npu_clean(exported):
+    out, m = exported
+    for step in ("prefill", "decode"):
+        path = out / f"{step}.npu-w8a16.onnx"
+        assert lint(path, "npu") == []
+        model = onnx.load(str(path), load_external_data=False)
+        assert {o.domain: o.version for o in model.opset_import}[""] == 21
+        inits = {i.name: i for i in model.graph.initializer}
+        zero_types = {inits[n.input[2]].data_type for n in model.graph.node if n.op_type == "QuantizeLinear"}
+        assert zero_types == {onnx.TensorProto.UINT16}
+    calib = next(g for g in m["graphs"] if g["target"] == "npu-w8a16")["calibration"]
+    assert calib["method"] == "MinMax" and calib["feeds"] > 0
+    assert next(g for g in m["graphs"] if g["target"] == "npu-w8a16")["host_cache"]["mask_value"] == -100.0
+
+
+def test_accuracy_is_measured_and_within_budget(exported):
+    _, m = exported
+    q = m["lm"]["quantization"]
+    assert set(q) == {"ort-int4", "ort-int8", "npu-w8a16"}
+    for target, entry in q.items():
+        a = entry["accuracy"]
+        assert a["max_rel"] <= entry["budget_max_rel"], target
+        assert 0 < a["kl_mean"] and 0 <= a["top1"] <= 1 and len(a["prompts"]) == accuracy.PROMPTS
+    # more bits, closer to fp32: a scheme mix-up (int8 graphs written as int4) would break this
+    assert q["ort-int8"]["accuracy"]["kl_mean"] < q["ort-int4"]["accuracy"]["kl_mean"]
+    assert q["ort-int8"]["accuracy"]["max_rel"] < q["ort-int4"]["accuracy"]["max_rel"]
+
+
+def test_the_accuracy_measure_can_fail(exported):
+    """fp32 graphs measure as exact; the same graphs with noise on their logits do not."""
+    out, _ = exported
+    config = preset("tiny")
+    prompts = accuracy.prompt_set(config)
+    refs = accuracy.references(reference_model(build_model(config, "lm", seed=0)), prompts)
+    exact = accuracy.measure(open_generator(out, "ort", provider="cpu"), prompts, refs)
+    assert exact["max_rel"] < 1e-4 and exact["kl_mean"] < 1e-8 and exact["top1"] == 1 and exact["greedy_match"] == 1
+
+    class Noisy:
+        def __init__(self, driver):
+            self.driver, self.rng = driver, np.random.default_rng(0)
+
+        def reset(self):
+            self.driver.reset()
+
+        def feed(self, ids):
+            return self.driver.feed(ids) + self.rng.normal(0, 1, (1, 1, config.vocab_size))
+
+        def decode(self, ids):
+            return self.driver.decode(ids) + self.rng.normal(0, 1, (1, 1, config.vocab_size))
+    noisy = accuracy.measure(Noisy(open_generator(out, "ort", provider="cpu")), prompts, refs)
+    assert noisy["kl_mean"] > 1e-2 and noisy["max_rel"] > 0.1 and noisy["top1"] < 1
+
+
+def test_generate_runs_a_quantized_target(exported):
+    out, _ = exported
+    res = subprocess.run([sys.executable, "-m", "runtime.generate", str(out), "--target", "ort-int4", "--prompt-ids",
+                          "1,2,3", "--max-new-tokens", "4", "--json"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert len(json.loads(res.stdout.strip().splitlines()[-1])["generated_ids"]) == 4
+
+
+def test_passes_cli_quantizes_a_raw_graph(exported, tmp_path):
+    out, _ = exported
+    res = subprocess.run([sys.executable, "-m", "passes", str(out / "decode.raw.onnx"), str(tmp_path / "q.onnx"),
+                          "--target", "ort-int4"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert "quantize_weights" in res.stdout and "MatMulNBits" in _ops(tmp_path / "q.onnx")
+
+
+def test_bad_schemes_are_named(tmp_path):
+    assert parse("int4, w8a16") == ("int4", "w8a16") and parse("none") == ()
+    with pytest.raises(QuantError, match="unknown scheme.*int3"):
+        parse("int3")
+    with pytest.raises(QuantError, match="npu target, which is not exported"):
+        export_model(preset("tiny"), tmp_path / "x", kind="lm", targets=("ort",), quant=("w8a16",), log=lambda *_: None)
+    assert not (tmp_path / "x").exists()
+    res = subprocess.run([sys.executable, "-m", "export", "--preset", "tiny", "--quant", "int3", "--out",
+                          str(tmp_path / "y")], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 1 and res.stderr.strip().splitlines() == [
+        "error: --quant: unknown scheme(s) ['int3']; expected a comma-separated list of " + ", ".join(SCHEMES) + " or none"]
