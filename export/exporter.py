@@ -78,7 +78,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
         for step in STEPS:
             exported = to_onnx(model, config, step_len(config, step), opset, kind)
             for target in targets + tuple(quantize.target(q) for q in quant if quantize.SCHEMES[q].base == "ort"):
-                graph, report = _pipeline(exported, target if _quantized(target, step) else target.split("-")[0])
+                graph, report = _pipeline(exported, target if _quantized(target, step) else quantize.split(target)[0])
                 if target == "npu" and any(quantize.SCHEMES[q].base == "npu" for q in quant):
                     floats[step] = (ir.serde.deserialize_model(ir.serde.serialize_model(graph)), report)
                 graphs.append(build(graph, report, step, target))
@@ -92,10 +92,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
         for target in dict.fromkeys(g["target"] for g in graphs):
             sequence[target] = _sequence_parity(model, config, kind, graphs, target, tmp, seed)
         if quant:
-            prompts = accuracy.prompt_set(config) if kind == "lm" else []
-            refs = accuracy.references(reference_model(model), prompts)
-            extras["quantization"] = {quantize.target(q): quantize.describe(q) | _accuracy(kind, graphs, q, tmp, prompts, refs)
-                                      for q in quant}
+            extras["quantization"] = _quantization(model, config, kind, graphs, quant, tmp)
         manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, sequence, weights_info, extras)
         write_json(tmp / "manifest.json", manifest)
     for g in graphs:
@@ -123,7 +120,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
 def _quantized(target: str, step: str) -> bool:
     """Whether `target` runs its own graph for `step`: every plain target does; a quantized one only for the steps its
     scheme quantizes (the others run the base target's graph)."""
-    scheme = target.partition("-")[2]
+    scheme = quantize.split(target)[1]
     return not scheme or step in quantize.SCHEMES[scheme].quantized_steps
 
 
@@ -156,7 +153,7 @@ def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config
 def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report: dict, step: str, target: str,
              tmp: Path, seed: int, store: WeightsFile | None) -> dict:
     """Save the target's graph, and check it before it counts."""
-    base, _, scheme = target.partition("-")
+    base, scheme = quantize.split(target)
     fused = _check_fused(graph, report, base, config.num_layers if kind == "lm" else 1, f"{step}.{target}")
     path = tmp / f"{step}.{target}.onnx"
     if store is not None:
@@ -245,11 +242,16 @@ def _tolerance(config: AttentionConfig, target: str) -> float:
     return quantize.tolerance(target, TOLERANCE[config.dtype])
 
 
-def _accuracy(kind: str, graphs: list[dict], scheme: str, tmp: Path, prompts: list, refs: list) -> dict:
-    """The whole model's accuracy figures (runtime/accuracy.py) for a quantized target; other kinds have none."""
+def _quantization(model, config: AttentionConfig, kind: str, graphs: list[dict], quant: tuple, tmp: Path) -> dict:
+    """Each quantized target's scheme and, for the whole model, its accuracy (runtime/accuracy.py) on one prompt set."""
+    found = {quantize.target(q): quantize.describe(q) for q in quant}
     if kind != "lm":
-        return {}
-    target = quantize.target(scheme)
-    sessions = {g["step"]: StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu",
-                                       cache_in_place=g["cache_in_place"]) for g in graphs if g["target"] == target}
-    return {"accuracy": {"reference": "eager PyTorch fp32", **accuracy.measure(_driver(sessions, target), prompts, refs)}}
+        return found
+    prompts = accuracy.prompt_set(config)
+    refs = accuracy.references(reference_model(model), prompts)
+    for target in found:
+        sessions = {g["step"]: StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu",
+                                           cache_in_place=g["cache_in_place"]) for g in graphs if g["target"] == target}
+        found[target]["accuracy"] = {"reference": "eager PyTorch fp32",
+                                     **accuracy.measure(_driver(sessions, target), prompts, refs)}
+    return found

@@ -95,8 +95,9 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
         for kind in kinds:
             for dtype, targets in VARIANTS[kind]:
                 c, folder = config.replace(dtype=dtype), f"{kind}-{dtype}"
-                export_model(c, tmp / folder, kind=kind, seed=seed, targets=tuple(t for t in targets if "-" not in t),
-                             quant=tuple(t.partition("-")[2] for t in targets if "-" in t), log=lambda *_: None)
+                schemes = [quantize.split(t)[1] for t in targets]
+                export_model(c, tmp / folder, kind=kind, seed=seed, targets=tuple(t for t, q in zip(targets, schemes) if not q),
+                             quant=tuple(q for q in schemes if q), log=lambda *_: None)
                 model = build_model(c, kind, seed)
                 for target in targets:
                     for step, steps in golden(model, c, target, kind, seed).items():
@@ -105,7 +106,8 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                         graphs.append({"file": f"{name}.onnx", "golden": f"{name}.golden.npz", "kind": kind, "dtype": dtype,
                                        "target": target, "step": step,
                                        "tolerance": quantize.tolerance(target, TOLERANCE[dtype])}
-                                      | ({"quantized": quantize.describe(target.partition("-")[2])} if "-" in target else {})
+                                      | ({"quantized": quantize.describe(quantize.split(target)[1])}
+                                         if quantize.split(target)[1] else {})
                                       | ({"host_cache": {"inputs": cache_names(c, kind, "past_"),
                                                          "shape": [c.batch, c.num_kv_heads, c.capacity, c.head_dim]}}
                                          if kind == "lm" else {}))
@@ -115,7 +117,7 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
             g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f, fp16="quantized" not in g)
                         for soc, f in compiled.items()}
             log(f"compiled {g['file']} for the QNN HTP of SoC {', '.join(map(str, socs))}")
-        profile = lambda g: g["target"].partition("-")[0]  # noqa: E731
+        profile = lambda g: quantize.split(g["target"])[0]  # noqa: E731
         lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], profile(g))],
                              "notes": [vars(v) for v in lint(tmp / g["file"], profile(g), notes=True)]} for g in graphs}
         runtimes = {rt: {t: all(verify_graph(tmp, g, rt)["ok"] for g in graphs if g["target"] == t)

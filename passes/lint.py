@@ -7,9 +7,10 @@ Vitis AI) accept: opset 17, static shapes, no control flow, no shape-computing, 
 inputs (QNN refuses a boolean attention mask: it wants an additive float one), no
 infinities. A quantized (QDQ) npu graph also keeps what QNN, OpenVINO and Vitis AI state for
 QDQ models: 16-bit activations at opset 21 (where 16-bit QuantizeLinear is standard; 17
-otherwise), every constant weight an int8 tensor with zero point 0 behind a DequantizeLinear
-(symmetric weights), every compute op between DequantizeLinear and QuantizeLinear (no float
-islands, which the HTP would run in fp16 or refuse), scales finite and positive. `onnx` and `ort` check what their targets promise: static shapes and every
+otherwise), MatMul/Gemm/Conv weights int8 with zero point 0 and positive scales behind a
+DequantizeLinear (symmetric weights), every compute op between DequantizeLinear and
+QuantizeLinear (no float islands, which the HTP would run in fp16 or refuse). `onnx` and
+`ort` check what their targets promise: static shapes and every
 attention fused, without a K/V repeat; `onnx` also standard domains only at opset 24.
 
 Notes are what a toolchain needs told rather than errors, printed without failing: on the
@@ -69,8 +70,6 @@ def npu_opset(model, path):
 
 QDQ = {"QuantizeLinear", "DequantizeLinear"}
 MOVES = {"Reshape", "Transpose", "Concat", "Slice", "Split", "Squeeze", "Unsqueeze", "Gather", "Identity"}
-
-
 WEIGHTED = {"MatMul": 1, "Gemm": 1, "Conv": 1}
 
 
