@@ -7,7 +7,7 @@ The NPU step (what QNN, OpenVINO NPU and Vitis AI compile):
 
 - RotaryEmbedding becomes x*cos + rotate_half(x)*sin with cos/sin gathered by the int32
   positions from constant tables (the ones the graph's RotaryEmbedding held);
-- RMSNormalization becomes Mul/ReduceMean/Sqrt/Reciprocal (in fp32 when it stashed fp32);
+- RMSNormalization becomes Mul/ReduceMean/Sqrt/Div (in fp32 when it stashed fp32);
 - Attention over a TensorScatter-written cache (checked causal by position, see
   causal.py) becomes attention over Concat(past, new): query heads are grouped as
   [B, Hkv, rep*T, D] against [B, Hkv, C+T, D], so K/V are never repeated, and the mask is
@@ -187,8 +187,10 @@ class LowerNPU(GraphPass):
         reduced = shape[:-1] + [1]
         mean = b.op("ReduceMean", [b.op("Mul", [xs, xs], shape, stash)], reduced, stash, axes=[-1], keepdims=1)
         eps = b.const(np.array(attr(node, "epsilon", 1e-5), stash.numpy()), "epsilon")
-        inv = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [mean, eps], reduced, stash)], reduced, stash)], reduced, stash)
-        normed = b.op("Mul", [xs, inv], shape, stash)
+        # x / sqrt(mean + eps), not x * Reciprocal(sqrt(...)): QNN's HTP computes a 16-bit quantized Reciprocal wrongly
+        # (measured: 85% error on the QDQ graph), and one Div is one op fewer.
+        rms = b.op("Sqrt", [b.op("Add", [mean, eps], reduced, stash)], reduced, stash)
+        normed = b.op("Div", [xs, rms], shape, stash)
         if stash != dtype:
             normed = b.op("Cast", [normed], shape, dtype, to=int(dtype))
         replace_value(node.outputs[0], b.op("Mul", [normed, scale], shape, dtype))
