@@ -2,8 +2,9 @@
 
 - `int4`, `int8` (target `ort-int4`, `ort-int8`): the ort graph with its linear layers' weights
   as MatMulNBits blocks (passes/quantize_weights.py), activations fp32. A step whose quantized
-  form measured slower than fp32 on this CPU keeps the fp32 graph (int8 prefill: onnxruntime's
-  8-bit kernel is 1.4x slower than fp32 GEMM at 128 rows; benchmarks/quant.md).
+  form measured slower than fp32 on this CPU keeps the fp32 graph: prefill, compute-bound, where
+  MatMulNBits without VNNI runs below fp32 GEMM (make bench: int4 prefill@128 121 ms vs fp32 111,
+  int8 1.4x slower in benchmarks/quant.md). Decode, bound by bytes, is where the bits pay.
 - `w8a16` (target `npu-w8a16`): the npu graph in QDQ form for NPU compilers (QNN HTP, OpenVINO):
   weights int8 symmetric (per output channel), activations uint16 with ranges calibrated on
   activations recorded from real forward passes, by onnxruntime's static quantizer (MinMax). The
@@ -27,7 +28,7 @@ from runtime.drivers import Driver
 
 from passes.lower_npu import MASK_VALUE
 from passes.pipeline import WEIGHT_ONLY
-from passes.quantize_weights import ort_quantization, quiet
+from passes.quantize_weights import constant_weights, ort_quantization, quiet
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class Scheme:
 # int8 0.045, w8a16 0.18, int4 0.64). Random weights put int4 near 1, where it only catches a broken graph.
 INT4_BUDGET = 1.0
 SCHEMES = {
-    "int4": Scheme("ort", ("prefill", "decode"), INT4_BUDGET, "weights int{0} (MatMulNBits, symmetric, block {1}, accuracy "
-                                                      "level {2}), activations fp32"),
+    "int4": Scheme("ort", ("decode",), INT4_BUDGET, "weights int{0} (MatMulNBits, symmetric, block {1}, accuracy level "
+                                                    "{2}), activations fp32; prefill keeps fp32 weights (measured faster)"),
     "int8": Scheme("ort", ("decode",), 0.1, "weights int{0} (MatMulNBits, symmetric, block {1}, accuracy level {2}), "
                                             "activations fp32; prefill keeps fp32 weights (measured faster)"),
     "w8a16": Scheme("npu", ("prefill", "decode"), 0.3, "QDQ: weights int8 symmetric per output channel, activations "
@@ -146,6 +147,7 @@ def qdq(model: ir.Model, feeds: list[dict]) -> ir.Model:
         def get_next(self):
             return next(self._it, None)
 
+    constant_weights(model)  # so the tied lm_head is quantized as a weight (per channel), not as an activation
     proto = onnx.version_converter.convert_version(ir.serde.serialize_model(model), QDQ_OPSET)
     with tempfile.TemporaryDirectory(prefix="qdq-") as tmp, quiet():
         src, dst = f"{tmp}/float.onnx", f"{tmp}/qdq.onnx"

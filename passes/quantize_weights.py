@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import numpy as np
 import onnx_ir as ir
 
 from .analysis import const
@@ -45,6 +46,30 @@ def quiet():
         root.setLevel(saved[1])
 
 
+def constant_weights(model: ir.Model) -> int:
+    """Give every MatMul whose weight is a Transpose of a stored matrix (a tied lm_head reads the embedding that way;
+    the optimizer does not fold tensors that large) that transpose as its own initializer, so a quantizer sees a
+    constant weight. Returns how many it gave one."""
+    done = 0
+    for node in [n for n in model.graph if n.op_type == "MatMul" and n.domain == ""]:
+        producer = node.inputs[1].producer()
+        if producer is None or producer.op_type != "Transpose" or (source := const(producer.inputs[0])) is None \
+                or source.ndim != 2:
+            continue
+        perm = producer.attributes.get_ints("perm", [1, 0])
+        if list(perm) != [1, 0]:
+            continue
+        name = f"{producer.inputs[0].name}/transposed"
+        value = model.graph.initializers.get(name)
+        if value is None:
+            value = ir.Value(name=name, shape=ir.Shape(source.shape[::-1]), type=ir.TensorType(producer.inputs[0].dtype),
+                             const_value=ir.tensor(np.ascontiguousarray(source.T), name=name))
+            model.graph.register_initializer(value)
+        node.replace_input_with(1, value)
+        done += 1
+    return done
+
+
 class QuantizeWeights(GraphPass):
     name = "quantize_weights"
 
@@ -54,6 +79,7 @@ class QuantizeWeights(GraphPass):
 
     def run(self, model: ir.Model) -> bool:
         MatMulNBitsQuantizer = ort_quantization().matmul_nbits_quantizer.MatMulNBitsQuantizer
+        self.stats["weights_untransposed"] = constant_weights(model)
         candidates = [n for n in model.graph if n.op_type == "MatMul" and n.domain == ""]
         for node in candidates:
             w = const(node.inputs[1])
