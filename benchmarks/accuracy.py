@@ -71,7 +71,7 @@ def markdown(doc: dict) -> str:
              "", "| engine | max rel logit err | mean rel | KL mean (nats) | KL max | top-1 | greedy match |",
              "|---|---|---|---|---|---|---|"]
     for name, r in doc["results"].items():
-        lines.append(f"| {name} | {r['max_rel']:.4f} | {r['mean_rel']:.4f} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | "
+        lines.append(f"| {name} | {r['max_rel']:.3g} | {r['mean_rel']:.3g} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | "
                      f"{r['top1']:.0%} | {r['greedy_match']:.0%} |")
     return "\n".join(lines) + "\n"
 
