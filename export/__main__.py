@@ -13,6 +13,7 @@ from runtime.cli import Parser, run
 
 from .exporter import export_model
 from .quantize import parse as parse_quant
+from .windows import parse as parse_windows
 from .torch_export import DEFAULT_OPSET
 
 
@@ -50,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="none", metavar="SCHEMES",
                    help="quantized targets to add, comma-separated: int4, int8 (ort: MatMulNBits weights), w8a16 "
                         "(npu: QDQ, calibrated); none [none]")
+    p.add_argument("--windows", default="auto", metavar="SIZES",
+                   help="the window ladder: comma-separated cache row counts each step is also exported over (the "
+                        "capacity always included); auto: 256, 512, ... below the capacity; none: the capacity only [auto]")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset of the exported graphs [{DEFAULT_OPSET}]")
     _config_flags(p)
     return p
@@ -64,7 +68,7 @@ def _export(args) -> int:
     config = preset(args.preset, **overrides)
     out = args.out or f"artifacts/{args.preset}" + (f"-{args.kind}" if args.kind != "attention" else "")
     export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset,
-                 quant=parse_quant(args.quant))
+                 quant=parse_quant(args.quant), windows=parse_windows(args.windows, config))
     return 0
 
 

@@ -21,14 +21,15 @@ from passes.lint import lint
 from passes.model_io import save
 from passes.pipeline import TARGETS, run_pipeline
 from passes.static_shapes import check_static
-from runtime.drivers import Generator, HostCacheGenerator
+from runtime.artifacts import open_generator
+from runtime.drivers import HostCacheGenerator
 from runtime import accuracy
 from runtime.metrics import close as within
 from runtime.parity import TOLERANCE, reference_model, sequence_parity, step_parity, token_parity, worst
 from runtime.session import StepSession
 
 from .atomic import staged_dir, write_json
-from . import quantize
+from . import quantize, windows as ladders
 from .manifest import build_manifest
 from .torch_export import DEFAULT_OPSET, to_onnx
 from .weights_file import NAME as WEIGHTS_FILE, WeightsFile
@@ -59,30 +60,35 @@ def parity_cases(config: AttentionConfig, step: str) -> list[int]:
 def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "attention", seed: int = 0,
                  weights: str | None = None, layer: int | None = None, opset: int = DEFAULT_OPSET,
                  name: str | None = None, targets: tuple[str, ...] = TARGETS, quant: tuple[str, ...] = (),
-                 log=print) -> dict:
+                 windows: tuple[int, ...] = (), log=print) -> dict:
     """Export, check and write the model's graphs. The whole model (`lm`) keeps its weights once, in one
     external-data file every graph points into; a Hugging Face folder as `weights` gives it its dims.
-    `quant` adds a quantized target per scheme (export/quantize.py) beside the target it quantizes."""
+    `quant` adds a quantized target per scheme (export/quantize.py) beside the target it quantizes; `windows`
+    (export/windows.py; default: the capacity alone) exports every step over each window of a ladder, all graphs
+    then sharing the one weights file."""
     out_dir = Path(out_dir)
     missing = [q for q in quant if quantize.SCHEMES[q].base not in targets]
     if missing:
         raise quantize.QuantError(f"--quant {','.join(missing)} quantizes the "
                                   f"{'/'.join(sorted({quantize.SCHEMES[q].base for q in missing}))} target, which is not exported")
     config = model_config(config, kind, weights)
+    ladder = ladders.check(tuple(windows) or (config.capacity,), config)
     model = build_model(config, kind, seed, weights, layer)
     graphs, sequence, floats = [], {}, {}
     with staged_dir(out_dir) as tmp:
-        store = WeightsFile(tmp) if kind == "lm" else None
-        build = lambda graph, report, step, target: _publish(model, config, kind, graph, report, step, target,  # noqa: E731
-                                                              tmp, seed, store)
-        for step in STEPS:
-            exported = to_onnx(model, config, step_len(config, step), opset, kind)
-            for target in targets + tuple(quantize.target(q) for q in quant if quantize.SCHEMES[q].base == "ort"):
-                graph, report = _pipeline(exported, target if _quantized(target, step) else quantize.split(target)[0])
-                if target == "npu" and any(quantize.SCHEMES[q].base == "npu" for q in quant):
-                    floats[step] = (ir.serde.deserialize_model(ir.serde.serialize_model(graph)), report)
-                graphs.append(build(graph, report, step, target))
-        for q in (q for q in quant if quantize.SCHEMES[q].base == "npu"):
+        store = WeightsFile(tmp) if kind == "lm" or len(ladder) > 1 else None
+        for window in ladder:
+            cw = config.replace(capacity=window)
+            build = lambda graph, report, step, target, cw=cw: _publish(  # noqa: E731
+                model, cw, kind, graph, report, step, target, tmp, seed, store, ladders.suffix(cw.capacity, config))
+            for step in STEPS:
+                exported = to_onnx(model, cw, step_len(cw, step), opset, kind)
+                for target in targets + tuple(quantize.target(q) for q in quant if quantize.SCHEMES[q].base == "ort"):
+                    graph, report = _pipeline(exported, target if _quantized(target, step) else quantize.split(target)[0])
+                    if target == "npu" and window == config.capacity and any(quantize.SCHEMES[q].base == "npu" for q in quant):
+                        floats[step] = (ir.serde.deserialize_model(ir.serde.serialize_model(graph)), report)
+                    graphs.append(build(graph, report, step, target))
+        for q in (q for q in quant if quantize.SCHEMES[q].base == "npu"):  # over C rows only: calibration is slow
             graphs += _qdq_graphs(q, graphs, floats, tmp, config, kind, build)
         weights_info = {"source": weights or f"random(seed={seed})", "layer": layer, "checksum": checksum(model)}
         extras = {}
@@ -91,9 +97,10 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
             extras = _lm_extras(weights, tmp)
         for target in dict.fromkeys(g["target"] for g in graphs):
             sequence[target] = _sequence_parity(model, config, kind, graphs, target, tmp, seed)
+            sequence[target]["windows"] = [g["window"] for g in graphs if g["target"] == target and g["step"] == "decode"]
         if quant:
             extras["quantization"] = _quantization(model, config, kind, graphs, quant, tmp)
-        manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, sequence, weights_info, extras)
+        manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, sequence, weights_info, extras, ladder)
         write_json(tmp / "manifest.json", manifest)
     for g in graphs:
         fusions = "; ".join(f"{p['pass']}: " + ", ".join(f"{v} {k}" for k, v in p["stats"].items())
@@ -102,9 +109,11 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
             + (f", attention fused {g['attention_fused']}" if g["target"] != "raw" else "") + (f" | {fusions}" if fusions else ""))
     if store is not None:
         log(f"wrote {out_dir / WEIGHTS_FILE} ({weights_info['bytes'] / 1e6:.1f} MB): every graph's weights, each stored once")
-    shapes = ", ".join(f"{s['name']}{s['shape']}" for s in graphs[0]["inputs"][:3])
+    first = next(g for g in graphs if g["step"] == "prefill" and g["window"] == config.capacity)
+    shapes = ", ".join(f"{s['name']}{s['shape']}" for s in first["inputs"][:3])
     what = "token" if kind == "lm" else "sequence"
-    log(f"wrote {out_dir / 'manifest.json'}: prefill inputs {shapes}{', ...' if len(graphs[0]['inputs']) > 3 else ''}; "
+    log(f"wrote {out_dir / 'manifest.json'}: windows {'/'.join(map(str, ladder))}; "
+        f"prefill inputs {shapes}{', ...' if len(first['inputs']) > 3 else ''}; "
         f"{what} parity (prompt {sequence[targets[0]]['prompt_len']} + {sequence[targets[0]]['decode_steps']} decode steps) "
         + ", ".join(f"{t} {sequence[t]['max_abs']:.1e}" + (f" (top-1 {sequence[t]['top1_agreement']:.0%})" if kind == "lm" else "")
                     for t in sequence))
@@ -132,8 +141,8 @@ def _pipeline(exported: ir.Model, target: str) -> tuple[ir.Model, dict]:
 def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config: AttentionConfig, kind: str,
                 build) -> list[dict]:
     """The npu graphs in QDQ form, their activation ranges recorded by running the float npu graphs just written."""
-    sessions = [StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu")
-                for step in STEPS for g in graphs if g["step"] == step and g["target"] == "npu"]
+    sessions = [StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu") for step in STEPS
+                for g in graphs if g["step"] == step and g["target"] == "npu" and g["window"] == config.capacity]
     feeds = quantize.record_feeds(HostCacheGenerator(*sessions, quantize.QDQ_MASK_VALUE),
                                   quantize.calibration_inputs(config, kind))
     out = []
@@ -151,11 +160,11 @@ def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config
 
 
 def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report: dict, step: str, target: str,
-             tmp: Path, seed: int, store: WeightsFile | None) -> dict:
-    """Save the target's graph, and check it before it counts."""
+             tmp: Path, seed: int, store: WeightsFile | None, suffix: str = "") -> dict:
+    """Save the target's graph over `config.capacity` rows (named with `suffix`), and check it before it counts."""
     base, scheme = quantize.split(target)
-    fused = _check_fused(graph, report, base, config.num_layers if kind == "lm" else 1, f"{step}.{target}")
-    path = tmp / f"{step}.{target}.onnx"
+    fused = _check_fused(graph, report, base, config.num_layers if kind == "lm" else 1, f"{step}.{target}{suffix}")
+    path = tmp / f"{step}.{target}{suffix}.onnx"
     if store is not None:
         store.externalize(graph)
         ir.save(graph, path)
@@ -182,7 +191,7 @@ def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report:
     # with, so its step errors are recorded here and its budget is held on real caches, by the sequence check.
     if not scheme and not within(err, tolerance):
         raise ParityError(f"{path.name}: max error {err} against eager PyTorch; expected within {tolerance}")
-    return {"step": step, "target": target, "file": path.name, "external_data": data,
+    return {"step": step, "target": target, "window": config.capacity, "file": path.name, "external_data": data,
             "bytes": path.stat().st_size + ((tmp / data).stat().st_size if data and store is None else 0),
             "cache_in_place": base in IN_PLACE_TARGETS, "attention_fused": fused, **io,
             **({"host_cache": {"mask_value": mask}} if base == "npu" else {}),
@@ -219,12 +228,13 @@ def _check_fused(graph: ir.Model, report: dict, target: str, layers: int, what: 
 
 def _sequence_parity(model, config: AttentionConfig, kind: str, graphs: list[dict], target: str, tmp: Path,
                      seed: int) -> dict:
-    sessions = {g["step"]: StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu",
-                                       cache_in_place=g["cache_in_place"])
-                for g in graphs if g["target"] == target}
-    driver = _driver(sessions, target)
+    """A prompt in chunks, then decode steps, through the target's window ladder: the prompt ends a few rows before
+    the last switch, so its chunks cross every smaller window's end and the decode steps cross the last."""
+    driver = _driver(config, graphs, target, tmp)
     decode_steps = min(16, config.capacity // 2)  # a prompt over one chunk, then up to 16 decode steps
     prompt_len = min(config.capacity - decode_steps, config.chunk + config.chunk // 2 + 1)
+    if len(driver.windows) > 1:
+        prompt_len = max(prompt_len, driver.windows[-2] - decode_steps // 2)
     check = token_parity if kind == "lm" else sequence_parity
     seq = check(model, driver, config, prompt_len=prompt_len, decode_steps=decode_steps, seed=seed)
     if not within(seq, _tolerance(config, target)):
@@ -233,9 +243,9 @@ def _sequence_parity(model, config: AttentionConfig, kind: str, graphs: list[dic
     return seq
 
 
-def _driver(sessions: dict, target: str):
-    return HostCacheGenerator(sessions["prefill"], sessions["decode"], quantize.mask_value(target)) \
-        if target.startswith("npu") else Generator(sessions["prefill"], sessions["decode"])
+def _driver(config: AttentionConfig, graphs: list[dict], target: str, tmp: Path):
+    """The runtime's driver over the target's graphs just written, as a user opens them (every window)."""
+    return open_generator(tmp, target, manifest={"graphs": graphs, "config": config.to_dict()}, provider="cpu")
 
 
 def _tolerance(config: AttentionConfig, target: str) -> float:
@@ -250,8 +260,6 @@ def _quantization(model, config: AttentionConfig, kind: str, graphs: list[dict],
     prompts = accuracy.prompt_set(config)
     refs = accuracy.references(reference_model(model), prompts)
     for target in found:
-        sessions = {g["step"]: StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu",
-                                           cache_in_place=g["cache_in_place"]) for g in graphs if g["target"] == target}
         found[target]["accuracy"] = {"reference": "eager PyTorch fp32",
-                                     **accuracy.measure(_driver(sessions, target), prompts, refs)}
+                                     **accuracy.measure(_driver(config, graphs, target, tmp), prompts, refs)}
     return found

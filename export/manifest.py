@@ -20,7 +20,7 @@ LM = {
 
 
 def build_manifest(config: AttentionConfig, kind: str, name: str, opset: int, graphs: list[dict],
-                   sequence_parity: dict, weights: dict, lm: dict | None = None) -> dict:
+                   sequence_parity: dict, weights: dict, lm: dict | None = None, windows: tuple[int, ...] = ()) -> dict:
     return {
         "format": FORMAT,
         "name": name,
@@ -35,6 +35,13 @@ def build_manifest(config: AttentionConfig, kind: str, name: str, opset: int, gr
             "holds": "K after q/k norm and RoPE, and V, at their absolute positions",
             "update": "present_* = past_* with the rows at position_ids written; rows after the last written "
                       "position are unspecified and must not be relied on",
+        },
+        "windows": {
+            "sizes": list(windows) or [config.capacity],
+            "rule": "each step and target is exported once per window W (graphs[].window), over a cache [B, Hkv, W, D] "
+                    "(npu: attention_mask [B, 1, T, W+T]) and attending over those W rows only; run a step in the "
+                    "smallest W with p0 + T <= W, moving rows 0..p0-1 into that layout when W changes "
+                    "(runtime/drivers.py)",
         },
         "positions": {
             "input": "position_ids [B, T] int64",

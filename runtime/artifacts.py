@@ -22,23 +22,43 @@ def load_manifest(folder: str | Path) -> dict:
         raise ArtifactError(f"{path}: not valid JSON ({e}); expected the manifest written by `python -m export`") from None
 
 
-def graph_entry(manifest: dict, step: str, target: str = "raw") -> dict:
+def windows(manifest: dict) -> list[int]:
+    """The export's window ladder, ascending: one window, the capacity, for an export without a ladder."""
+    return sorted({g["window"] for g in manifest.get("graphs", []) if "window" in g}) \
+        or manifest.get("windows", {}).get("sizes") or [manifest["config"]["capacity"]]
+
+
+def graph_entry(manifest: dict, step: str, target: str = "raw", window: int | None = None) -> dict:
+    """The step's graph for `target` over `window` cache rows (default: the capacity)."""
+    window = window or windows(manifest)[-1]
     for g in manifest.get("graphs", []):
-        if g["step"] == step and g["target"] == target:
+        if g["step"] == step and g["target"] == target and g.get("window", window) == window:
             return g
-    have = sorted(f"{g['step']}/{g['target']}" for g in manifest.get("graphs", []))
-    raise ArtifactError(f"no {step} graph for target {target!r} in the manifest; expected one of {have}")
+    have = sorted(f"{g['step']}/{g['target']}" + (f"@{g['window']}" if "window" in g else "")
+                  for g in manifest.get("graphs", []))
+    raise ArtifactError(f"no {step} graph for target {target!r} over {window} rows in the manifest; "
+                        f"expected one of {have}")
 
 
-def open_step(folder: str | Path, step: str, target: str = "raw", **session_options) -> StepSession:
-    """A session for one graph, its feeds checked against the manifest's I/O specs."""
-    g = graph_entry(load_manifest(folder), step, target)
+def open_step(folder: str | Path, step: str, target: str = "raw", window: int | None = None,
+              manifest: dict | None = None, **session_options) -> StepSession:
+    """A session for one graph, its feeds checked against the manifest's I/O specs (`manifest`: the folder's)."""
+    g = graph_entry(manifest or load_manifest(folder), step, target, window)
     return StepSession(Path(folder) / g["file"], g["inputs"], g["outputs"],
                        cache_in_place=g.get("cache_in_place", False), **session_options)
 
 
-def open_generator(folder: str | Path, target: str = "raw", **session_options) -> Driver:
-    """Prefill and decode sessions of one target behind a generation driver (host-cache for `npu`)."""
-    sessions = [open_step(folder, step, target, **session_options) for step in ("prefill", "decode")]
-    host = graph_entry(load_manifest(folder), "decode", target).get("host_cache")
-    return HostCacheGenerator(*sessions, host["mask_value"]) if host else Generator(*sessions)
+def open_generator(folder: str | Path, target: str = "raw", ladder: bool = True, manifest: dict | None = None,
+                   **session_options) -> Driver:
+    """A generation driver (host-cache for `npu`) over one target's prefill and decode graphs: over the export's
+    window ladder (each larger window opened when a step first needs it), or with `ladder=False` over the
+    capacity's graphs alone. `manifest`: the folder's, unless given (an export checking what it just wrote)."""
+    manifest = manifest or load_manifest(folder)
+    sizes = windows(manifest) if ladder else windows(manifest)[-1:]
+    opener = lambda w: lambda: tuple(open_step(folder, step, target, w, manifest, **session_options)  # noqa: E731
+                                     for step in ("prefill", "decode"))
+    larger = {w: opener(w) for w in sizes[1:]}
+    host = graph_entry(manifest, "decode", target).get("host_cache")
+    if host:
+        return HostCacheGenerator(*opener(sizes[0])(), host["mask_value"], larger)
+    return Generator(*opener(sizes[0])(), larger)

@@ -13,8 +13,17 @@ past_* from one set and write present_* into a second, and the sets swap each st
 
 `HostCacheGenerator` drives `npu` graphs, which return only the new rows: the host keeps
 the caches, builds the mask, and writes the rows back.
+
+A driver may hold a ladder of windows: the same steps exported over caches of W rows for a few W
+(the largest the capacity C), each attending over rows 0..W-1 only. Every step runs in the smallest
+window holding its last position; the caches live in one host buffer each, sized for C and laid out
+as [B, Hkv, W, D] for the window in use, so a switch moves the rows in use once and allocates nothing.
+Larger windows' sessions are opened on their first use.
 """
 from __future__ import annotations
+
+import math
+from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -22,20 +31,46 @@ import onnxruntime as ort
 from .session import FeedError, StepSession
 
 
-class Driver:
-    """Prompt chunking and decode positions over two step sessions; subclasses own the caches."""
+Opener = Callable[[], tuple[StepSession, StepSession]]
 
-    def __init__(self, prefill: StepSession, decode: StepSession):
-        self.prefill_session, self.decode_session = prefill, decode
+
+class Driver:
+    """Prompt chunking and decode positions over step sessions; subclasses own the caches."""
+
+    def __init__(self, prefill: StepSession, decode: StepSession, larger: dict[int, Opener] | None = None):
+        """`prefill`/`decode`: the sessions of the only window, or of a ladder's smallest; `larger` maps each larger
+        window of the ladder to a function opening its two sessions."""
         first = prefill.inputs[0]
         self.input_name, self.input_dtype = first["name"], np.dtype(first["dtype"])
         self.batch, self.chunk, *self.features = first["shape"]
         self.past = [s["name"] for s in prefill.inputs if s["name"].startswith("past_")]
-        self.cache_shape = prefill.spec(self.past[0])["shape"]
         self.cache_dtype = np.dtype(prefill.spec(self.past[0])["dtype"])
-        self.capacity = self.cache_shape[2]
+        self.window = prefill.spec(self.past[0])["shape"][2]
+        self._windows: dict[int, tuple | Opener] = {self.window: (prefill, decode), **(larger or {})}
+        if min(self._windows) != self.window:
+            raise ValueError(f"a ladder's first sessions must be its smallest window; got {self.window}, "
+                             f"expected {min(self._windows)}")
+        self.windows = sorted(self._windows)
+        self.capacity = self.windows[-1]
         self.output_name = prefill.outputs[0]["name"]
         self.position = 0
+
+    def cache_shape(self, window: int) -> list[int]:
+        b, kv, _, d = self.prefill_session.spec(self.past[0])["shape"]
+        return [b, kv, window, d]
+
+    @property
+    def prefill_session(self) -> StepSession:
+        return self._sessions(self.window)[0]
+
+    @property
+    def decode_session(self) -> StepSession:
+        return self._sessions(self.window)[1]
+
+    def _sessions(self, window: int) -> tuple[StepSession, StepSession]:
+        if callable(self._windows[window]):
+            self._windows[window] = self._windows[window]()
+        return self._windows[window]
 
     def reset(self) -> None:
         """Start a new sequence; old rows need no clearing, as a query only sees rows <= its position."""
@@ -95,7 +130,7 @@ class Driver:
         if n < self.chunk:
             pad = np.zeros((self.batch, self.chunk - n, *self.features), piece.dtype)
             piece = np.concatenate([piece, pad], axis=1)
-        out = self._step(self.prefill_session, piece, p0)
+        out = self._run("prefill", piece, p0)
         self.position = p0 + n
         return out
 
@@ -103,16 +138,29 @@ class Driver:
         """One element [B, 1, ...] at the current position; returns its output."""
         if self.position >= self.capacity:
             raise FeedError(f"decode: position {self.position} is past the cache; expected < capacity {self.capacity}")
-        out = self._step(self.decode_session, x, self.position)
+        out = self._run("decode", x, self.position)
         self.position += 1
         return out
 
     def run_step(self, step: str, x: np.ndarray, p0: int) -> np.ndarray:
         """One prefill or decode step at absolute position p0 over the runtime's caches, leaving
         `position` alone: what a benchmark repeats to time a step at a given cache fill."""
-        return self._step(self.prefill_session if step == "prefill" else self.decode_session, x, p0)
+        return self._run(step, x, p0)
+
+    def _run(self, step: str, x: np.ndarray, p0: int) -> np.ndarray:
+        """The step in the smallest window holding its last position (the cache moved there first)."""
+        last = p0 + (1 if step == "decode" else self.chunk)
+        window = next((w for w in self.windows if w >= last), self.capacity)  # past C: the session says why
+        if window != self.window:
+            self._move(window)
+            self.window = window
+        return self._step(self._sessions(window)[step != "prefill"], x, p0)
 
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _move(self, window: int) -> None:
+        """Lay the caches out for `window` (from `self.window`), keeping the rows both hold."""
         raise NotImplementedError
 
     def _inputs(self, session: StepSession, x: np.ndarray, p0: int) -> tuple[np.ndarray, np.ndarray]:
@@ -128,22 +176,57 @@ class Driver:
         return x, position_ids
 
 
+class CacheBuffers:
+    """One zeroed host buffer per cache, sized for the largest window and viewed as [B, Hkv, W, D] for the window
+    in use. Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite."""
+
+    def __init__(self, driver: Driver):
+        self.driver = driver
+        size = math.prod(driver.cache_shape(driver.capacity))
+        self._flat = [np.zeros(size, driver.cache_dtype) for _ in driver.past]
+
+    def view(self, window: int) -> list[np.ndarray]:
+        shape = self.driver.cache_shape(window)
+        return [flat[:math.prod(shape)].reshape(shape) for flat in self._flat]
+
+    def move(self, old: int, new: int) -> list[np.ndarray]:
+        """The views for window `new`, holding the first min(old, new) rows the `old` views held, zeros after."""
+        keep = min(old, new)
+        rows = [v[:, :, :keep].copy() for v in self.view(old)]  # the layouts overlap in memory
+        views = self.view(new)
+        for view, r in zip(views, rows):
+            view[:, :, :keep] = r
+            view[:, :, keep:] = 0
+        return views
+
+
 class Generator(Driver):
-    def __init__(self, prefill: StepSession, decode: StepSession):
-        super().__init__(prefill, decode)
-        device = "cuda" if prefill.on_cuda else "cpu"
-        # Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite.
-        # One array per buffer: on CPU an OrtValue wraps its numpy array's memory.
-        new_set = lambda: [ort.OrtValue.ortvalue_from_numpy(np.zeros(self.cache_shape, self.cache_dtype), device, 0)  # noqa: E731
-                           for _ in self.past]
+    def __init__(self, prefill: StepSession, decode: StepSession, larger: dict[int, Opener] | None = None):
+        super().__init__(prefill, decode, larger)
+        self.device = "cuda" if prefill.on_cuda else "cpu"
         self.in_place = prefill.cache_in_place and decode.cache_in_place
-        self._past = new_set()
-        self._present = self._past if self.in_place else new_set()
+        self._past_buffers = CacheBuffers(self)
+        self._present_buffers = self._past_buffers if self.in_place else CacheBuffers(self)
         self._bindings = {}  # one IO binding per session, kept across steps
-        for session in (prefill, decode):
-            binding = self._bindings[id(session)] = session.session.io_binding()
-            binding.bind_output(self.output_name, "cpu")
-            self._bind_cache(binding)
+        self._bind(self.window, self._past_buffers.view(self.window))
+
+    def _bind(self, window: int, rows: list[np.ndarray]) -> None:
+        """Cache values for `window` holding `rows`, bound to both its sessions. On CPU an OrtValue wraps its
+        array's memory, so the values are the buffers; on CUDA they are copies in device memory."""
+        value = lambda a: ort.OrtValue.ortvalue_from_numpy(a, self.device, 0)  # noqa: E731
+        self._past = [value(a) for a in rows]
+        self._present = self._past if self.in_place else [value(a) for a in self._present_buffers.view(window)]
+        for session in self._sessions(window):
+            if id(session) not in self._bindings:
+                self._bindings[id(session)] = session.session.io_binding()
+                self._bindings[id(session)].bind_output(self.output_name, "cpu")
+            self._bind_cache(self._bindings[id(session)])
+
+    def _move(self, window: int) -> None:
+        if self.device != "cpu":  # the rows in use come back to the host buffers first
+            for view, value in zip(self._past_buffers.view(self.window), self._past):
+                view[...] = value.numpy()
+        self._bind(window, self._past_buffers.move(self.window, window))
 
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
         x, position_ids = self._inputs(session, x, p0)
@@ -155,6 +238,7 @@ class Generator(Driver):
         session.session.run_with_iobinding(binding)
         if not self.in_place:
             self._past, self._present = self._present, self._past
+            self._past_buffers, self._present_buffers = self._present_buffers, self._past_buffers
         return binding.get_outputs()[0].numpy().copy()  # the binding reuses its output buffer next step
 
     def _bind_cache(self, binding) -> None:
@@ -164,19 +248,24 @@ class Generator(Driver):
 
 
 class HostCacheGenerator(Driver):
-    """The graph sees the caches [B, Hkv, C, D] and attention_mask [B, 1, T, C+T]: cache row j is visible
+    """The graph sees the caches [B, Hkv, W, D] and attention_mask [B, 1, T, W+T]: cache row j is visible
     to every query iff j < p0 (rows the host wrote before this step), and new row t' to query t iff
     t' <= t. Masked entries hold `mask_value`. The graph returns each cache's new rows (key, or key.i)."""
 
-    def __init__(self, prefill: StepSession, decode: StepSession, mask_value: float):
-        super().__init__(prefill, decode)
+    def __init__(self, prefill: StepSession, decode: StepSession, mask_value: float,
+                 larger: dict[int, Opener] | None = None):
+        super().__init__(prefill, decode, larger)
         self.mask_value = mask_value
-        self.caches = {name: np.zeros(self.cache_shape, self.cache_dtype) for name in self.past}
+        self._buffers = CacheBuffers(self)
+        self.caches = dict(zip(self.past, self._buffers.view(self.window)))
+
+    def _move(self, window: int) -> None:
+        self.caches = dict(zip(self.past, self._buffers.move(self.window, window)))
 
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
         x, position_ids = self._inputs(session, x, p0)
         t = position_ids.shape[1]
-        mask = host_mask(self.batch, self.capacity, p0, t, self.mask_value, self.cache_dtype)
+        mask = host_mask(self.batch, self.window, p0, t, self.mask_value, self.cache_dtype)
         out = session.run({self.input_name: x, "position_ids": position_ids, "attention_mask": mask, **self.caches})
         for name, cache in self.caches.items():
             cache[:, :, p0:p0 + t] = out[name.removeprefix("past_")]

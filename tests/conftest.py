@@ -30,15 +30,15 @@ class Artifact:
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """exported(kind="attention", **config_overrides) -> Artifact of the tiny preset, exported once."""
+    """exported(kind="attention", windows=(), **config_overrides) -> Artifact of the tiny preset, exported once."""
     cache = {}
 
-    def get(kind: str = "attention", **overrides) -> Artifact:
-        key = (kind, tuple(sorted(overrides.items())))
+    def get(kind: str = "attention", windows: tuple[int, ...] = (), **overrides) -> Artifact:
+        key = (kind, windows, tuple(sorted(overrides.items())))
         if key not in cache:
             folder = tmp_path_factory.mktemp("export")
             config = preset("tiny", **overrides)
-            manifest = export_model(config, folder, kind=kind, log=lambda *_: None)
+            manifest = export_model(config, folder, kind=kind, windows=windows, log=lambda *_: None)
             cache[key] = Artifact(folder, config, kind, manifest)
         return cache[key]
 

@@ -1,0 +1,154 @@
+"""The window ladder: graphs over 16, 32 and 64 (= C) cache rows, and drivers that switch between them."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from export.windows import WindowError, default, parse
+from models import preset
+from runtime.parity import sequence_parity, token_parity, within
+
+ROOT = Path(__file__).resolve().parents[1]
+LADDER = (16, 32, 64)
+TARGETS = ["raw", "onnx", "ort", "npu"]
+
+
+def recording(gen):
+    """The driver, with every window switch it makes recorded in gen.moves."""
+    gen.moves, move = [], gen._move
+    gen._move = lambda window: (gen.moves.append(window), move(window))[1]
+    return gen
+
+
+def test_the_manifest_lists_the_ladder_and_every_graph_shares_one_weights_file(exported):
+    art = exported(windows=LADDER)
+    m = art.manifest
+    assert m["windows"]["sizes"] == list(LADDER)
+    for w in LADDER:
+        for target in TARGETS:
+            for step in ("prefill", "decode"):
+                g = next(g for g in m["graphs"] if (g["step"], g["target"], g["window"]) == (step, target, w))
+                assert (art.folder / g["file"]).exists() and g["external_data"] == "weights.data"
+                cache = next(s for s in g["inputs"] if s["name"] == "past_key")
+                assert cache["shape"][2] == w
+                if target == "npu":
+                    mask = next(s for s in g["inputs"] if s["name"] == "attention_mask")
+                    assert mask["shape"][-1] == w + (16 if step == "prefill" else 1)
+    assert m["graphs"][-1]["file"] in {f"decode.{t}.onnx" for t in TARGETS}  # C keeps the single-window names
+    weights = sum(p.numel() for p in art.model().parameters()) * 4
+    assert (art.folder / "weights.data").stat().st_size < 2 * weights  # once, not once per graph (40 graphs)
+    assert all(m["sequence_parity"]["targets"][t]["windows"] == list(LADDER) for t in TARGETS)
+
+
+@pytest.mark.parametrize("kind", ["attention", "block"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_sequence_parity_across_every_switch(exported, kind, target):
+    """A 10-row prompt, then decode steps through positions 10..49: switches at 16 and at 32, against eager."""
+    art = exported(kind, windows=LADDER)
+    gen = recording(art.generator(target))
+    res = sequence_parity(art.model(), gen, art.config, prompt_len=10, decode_steps=40, seed=5)
+    print(f"{kind}/{target}: max abs {res['max_abs']:.2e} over windows {gen.moves}")
+    assert within(res, "fp32"), res
+    assert gen.moves == [32, 64] and gen.window == 64
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_chunks_ending_on_the_boundaries(exported, target):
+    """A 32-row prompt: chunk 0..15 fills window 16 exactly, chunk 16..31 fills 32, the first decode step needs 64."""
+    art = exported(windows=LADDER)
+    gen = recording(art.generator(target))
+    res = sequence_parity(art.model(), gen, art.config, prompt_len=32, decode_steps=3, seed=6)
+    assert within(res, "fp32"), res
+    assert gen.moves == [32, 64]
+
+
+@pytest.mark.parametrize("target", ["onnx", "npu"])
+def test_the_ladder_gives_the_single_window_outputs(exported, target):
+    art = exported(windows=LADDER)
+    x = np.random.default_rng(0).standard_normal((1, 45, 64)).astype(np.float32)
+    outs = []
+    for ladder in (True, False):
+        gen = art.generator(target, ladder=ladder)
+        outs.append(np.concatenate([gen.prefill(x[:, :20]), *[gen.decode(x[:, i:i + 1]) for i in range(20, 45)]], 1))
+        assert gen.windows == (list(LADDER) if ladder else [64])
+    assert np.abs(outs[0] - outs[1]).max() < 1e-5
+
+
+@pytest.mark.parametrize("target", ["raw", "ort", "npu"])
+def test_going_back_to_a_smaller_window_keeps_its_rows(exported, target):
+    """run_step at an earlier position (what a benchmark does) moves the caches down to its window, rows intact."""
+    art = exported(windows=LADDER)
+    gen = art.generator(target)
+    rng = np.random.default_rng(1)
+    gen.prefill(rng.standard_normal((1, 40, 64)).astype(np.float32))
+    assert gen.window == 64
+    before = rows(gen, 12)
+    gen.run_step("decode", rng.standard_normal((1, 1, 64)).astype(np.float32), 12)
+    assert gen.window == 16
+    after = rows(gen, 12)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def rows(gen, n):
+    caches = gen.caches.values() if hasattr(gen, "caches") else [v.numpy() for v in gen._past]
+    return [c[:, :, :n].copy() for c in caches]
+
+
+@pytest.mark.parametrize("target", ["onnx", "ort", "npu"])
+def test_whole_model_token_parity_across_switches(exported, target):
+    art = exported("lm", windows=LADDER)
+    gen = recording(art.generator(target))
+    res = token_parity(art.model(), gen, art.config, prompt_len=12, decode_steps=30, seed=7)
+    print(f"lm/{target}: max abs {res['max_abs']:.2e}, top-1 {res['top1_agreement']:.0%}, windows {gen.moves}")
+    assert within(res, "fp32"), res
+    assert gen.moves == [32, 64]
+
+
+def test_the_default_ladder_doubles_from_256_below_the_capacity():
+    assert default(preset("minimind")) == (256, 512, 1024, 2048)
+    assert default(preset("minimind", capacity=3000)) == (256, 512, 1024, 2048, 3000)
+    assert default(preset("tiny")) == (64,)
+    assert parse("none", preset("minimind")) == (2048,)
+    assert parse("512, 1024", preset("minimind")) == (512, 1024, 2048)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("8", r"windows \[8\]: each must hold a prefill chunk and fit the cache; expected 16 <= W <= 64"),
+    ("128", r"windows \[128\]"),
+    ("16,x", r"--windows '16,x': expected comma-separated row counts"),
+])
+def test_a_bad_ladder_is_refused_before_any_work(tmp_path, text, message):
+    with pytest.raises(WindowError, match=message):
+        parse(text, preset("tiny"))
+    res = subprocess.run([sys.executable, "-m", "export", "--preset", "tiny", "--windows", text, "--out",
+                          str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0 and "windows" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_exports_a_ladder(tmp_path):
+    out = tmp_path / "tiny"
+    res = subprocess.run([sys.executable, "-m", "export", "--preset", "tiny", "--windows", "32", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["windows"]["sizes"] == [32, 64] and len(m["graphs"]) == 16
+    assert "windows 32/64" in res.stdout.strip().splitlines()[-1]
+
+
+def test_a_switch_that_loses_the_rows_is_caught(exported, monkeypatch):
+    """The parity check can fail: a move that drops the rows in use breaks the sequence at the first switch."""
+    from runtime.drivers import CacheBuffers
+    art = exported(windows=LADDER)
+
+    def forgetful(self, old, new):
+        views = self.view(new)
+        for v in views:
+            v[...] = 0
+        return views
+    monkeypatch.setattr(CacheBuffers, "move", forgetful)
+    res = sequence_parity(art.model(), art.generator("onnx"), art.config, prompt_len=10, decode_steps=12, seed=5)
+    assert not within(res, "fp32"), res
