@@ -20,6 +20,7 @@ import torch
 from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
 from export import export_model
+from export.windows import default as ladder
 from runtime.cli import Parser, run
 from models import build_model, preset
 
@@ -51,9 +52,10 @@ def prepare(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Pa
     genai = [e for e in engines if e in GENAI] if kind == "lm" else []
     stamp = folder / "fingerprint"
     quant = ("int4", "int8", "w8a16") if kind == "lm" else ()  # w8a16 for benchmarks.accuracy
-    fingerprint = json.dumps({"config": config.to_dict(), "quant": quant, "code": code_fingerprint()})
+    fingerprint = json.dumps({"config": config.to_dict(), "quant": quant, "windows": ladder(config),
+                              "code": code_fingerprint()})
     if not (stamp.exists() and stamp.read_text() == fingerprint):
-        export_model(config, folder, kind=kind, quant=quant, log=lambda *_: None)
+        export_model(config, folder, kind=kind, quant=quant, windows=ladder(config), log=lambda *_: None)
         for step in ("prefill", "decode"):
             model = ir.load(folder / f"{step}.raw.onnx")
             optimize_for_ort(model)

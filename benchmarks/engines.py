@@ -17,13 +17,13 @@ import torch
 
 from models import AttentionConfig, build_model
 from models.contract import example_inputs
-from runtime.artifacts import open_step
-from runtime.drivers import Generator
+from runtime.artifacts import open_generator
+from runtime.drivers import Driver, Generator
 from runtime.session import StepSession
 
-from .workloads import GENAI, ORT, QUANT, TORCH, Workload
+from .workloads import GENAI, ORT, QUANT, SINGLE, TORCH, Workload
 
-ENGINES = TORCH + ORT + QUANT + GENAI
+ENGINES = TORCH + ORT + SINGLE + QUANT + GENAI
 
 
 class Unavailable(RuntimeError):
@@ -46,7 +46,7 @@ class Engine:
             return self._torch_runner(w)
         if self.name.startswith("genai"):
             return self._genai_runner(w)
-        gen = self._generator(w.kind, self.name.removeprefix("ort-"))
+        gen = self._generator(w.kind)
         x = self._inputs(w)[0].numpy()
         if w.kind == "lm" and w.step == "prefill":  # time to first token: the whole prompt, fed in chunks
             return lambda: (gen.reset(), gen.feed(x))[1]
@@ -77,18 +77,26 @@ class Engine:
             self._models[kind] = torch.compile(step, dynamic=False) if self.name == "torch-compile" else step
         return self._models[kind]
 
-    def _generator(self, kind: str, target: str) -> Generator:
-        """The export's graphs open as the manifest describes them (in-place cache or not); the
-        optimize_for_ort graphs, which are not in it, keep ScatterElements and so a copied cache."""
-        if (kind, target) not in self._generators:
+    def window(self, w: Workload) -> int | None:
+        """The cache rows the engine's last run of `w` attended over (its window), for onnxruntime engines."""
+        gen = self._generators.get(w.kind)
+        return gen.window if gen is not None else None
+
+    def _generator(self, kind: str) -> Driver:
+        """The export's graphs open as a user opens them (artifacts.open_generator: the window ladder, or its
+        largest window alone for the -single engines); the optimize_for_ort graphs, which are not in the
+        manifest, keep ScatterElements and so a copied cache, over C rows."""
+        if kind not in self._generators:
+            target = self.name.removeprefix("ort-").removesuffix("-single")
             options = {"provider": "cpu", "threads": self.threads, "profile": self.profile}
             if target == "onnxscript":
                 sessions = [StepSession(self.folders[kind] / f"{step}.onnxscript.onnx", **options)
                             for step in ("prefill", "decode")]
+                self._generators[kind] = Generator(*sessions)
             else:
-                sessions = [open_step(self.folders[kind], step, target, **options) for step in ("prefill", "decode")]
-            self._generators[kind, target] = Generator(*sessions)
-        return self._generators[kind, target]
+                self._generators[kind] = open_generator(self.folders[kind], target,
+                                                        ladder=not self.name.endswith("-single"), **options)
+        return self._generators[kind]
 
     def _genai_runner(self, w: Workload):
         import onnxruntime_genai as og

@@ -17,7 +17,7 @@ from models import preset
 from runtime.cli import Parser, run
 
 from .engines import Engine
-from .workloads import KINDS, workloads
+from .workloads import KINDS, ORT, QUANT, SINGLE, workloads
 
 RUNS, SECONDS = 200, 10.0
 
@@ -29,7 +29,7 @@ def profile(engine: Engine, workload) -> str:
         run()
         if time.perf_counter() - start > SECONDS:
             break
-    gen = engine._generator(workload.kind, engine.name.removeprefix("ort-"))
+    gen = engine._generator(workload.kind)
     session = (gen.prefill_session if workload.step == "prefill" else gen.decode_session).session
     trace = session.end_profiling()
     events = json.loads(Path(trace).read_text())
@@ -48,7 +48,7 @@ def profile(engine: Engine, workload) -> str:
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("engine", choices=["ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort"])
+    p.add_argument("engine", choices=ORT + SINGLE + QUANT)
     p.add_argument("workloads", nargs="+", help="e.g. decode@1024 prefill@0 block/decode@1024 lm/prefill@128")
     p.add_argument("--preset", default="minimind")
     p.add_argument("--threads", type=int, default=os.cpu_count())

@@ -27,6 +27,8 @@ def main(spec_path: str) -> int:
             warm_check(engine, w)
             row |= measure(engine.runner(w), **spec["timing"])
             row["peak_mb"] = peak_rss_mb()
+            if (window := engine.window(w)) is not None:
+                row["window"] = window
         except Unavailable as e:
             row["unavailable"] = str(e)
         print(json.dumps(row), flush=True)

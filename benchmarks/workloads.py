@@ -13,7 +13,8 @@ from models import AttentionConfig
 
 KINDS = ("attention", "block", "lm")
 TORCH = ("torch-eager", "torch-sdpa", "torch-compile")
-ORT = ("ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort")
+ORT = ("ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort", "ort-npu")  # the ort engines run the window ladder
+SINGLE = ("ort-onnx-single", "ort-npu-single")  # the same graphs over all C rows, as before the ladder
 GENAI = ("genai-fp32", "genai-int4")
 QUANT = ("ort-ort-int4", "ort-ort-int8")  # the whole model's quantized ort targets (export --quant int4,int8)
 # Bits read per weight, one fp32 scale per 32 weights included (the embedding's Gather reads one row a token).
@@ -35,8 +36,8 @@ class Workload:
     @property
     def engines(self) -> tuple[str, ...]:
         if self.kind != "lm":
-            return TORCH + ORT
-        return QUICK_LM if self.quick else TORCH + ORT + QUANT + GENAI
+            return TORCH + ORT + SINGLE
+        return QUICK_LM if self.quick else TORCH + ORT + SINGLE + QUANT + GENAI
 
     def seq_len(self, c: AttentionConfig) -> int:
         """Tokens the workload processes."""

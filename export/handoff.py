@@ -28,7 +28,7 @@ from runtime.cli import Parser, run
 from runtime.parity import TOLERANCE, reference_model
 from runtime.verify import available_runtimes, verify_graph
 
-from . import quantize
+from . import quantize, windows as ladders
 from .atomic import staged_dir
 from .exporter import export_model
 
@@ -79,6 +79,24 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     return steps
 
 
+def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str, suffix: str, seed: int,
+             tmp: Path) -> list[dict]:
+    """The bundle entries (and golden files) of one target's two step graphs over `config.capacity` rows."""
+    entries = []
+    for step, steps in golden(model, config, target, kind, seed).items():
+        name = f"{folder}/{step}.{target}{suffix}"
+        save_golden(tmp / f"{name}.golden.npz", steps)
+        entries.append({"file": f"{name}.onnx", "golden": f"{name}.golden.npz", "kind": kind, "dtype": config.dtype,
+                        "target": target, "step": step, "window": config.capacity,
+                        "tolerance": quantize.tolerance(target, TOLERANCE[config.dtype])}
+                       | ({"quantized": quantize.describe(quantize.split(target)[1])}
+                          if quantize.split(target)[1] else {})
+                       | ({"host_cache": {"inputs": cache_names(config, kind, "past_"),
+                                          "shape": [config.batch, config.num_kv_heads, config.capacity, config.head_dim]}}
+                          if kind == "lm" else {}))
+    return entries
+
+
 def save_golden(path: Path, steps: list) -> None:
     arrays = {"steps": np.array(len(steps))}
     for i, (feeds, want, live) in enumerate(steps):
@@ -87,30 +105,28 @@ def save_golden(path: Path, steps: list) -> None:
     np.savez_compressed(path, **arrays)
 
 
-def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, socs=qnn.SOCS, log=print) -> dict:
+def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, socs=qnn.SOCS,
+          windows: tuple[int, ...] = (), log=print) -> dict:
+    """The bundle, every graph over each window of the ladder (`windows`; default: export/windows.py's)."""
     out = Path(out)
     socs = tuple(socs) if qnn.available() else ()
+    ladder = ladders.check(tuple(windows) or ladders.default(config), config)
+    if short := [w for w in ladder if w < config.chunk + DECODE_STEPS]:
+        raise ladders.WindowError(f"windows {short}: a golden holds a prefill chunk and {DECODE_STEPS} decode steps; "
+                                  f"expected W >= {config.chunk + DECODE_STEPS}")
     with staged_dir(out) as tmp:
         graphs = []
         for kind in kinds:
             for dtype, targets in VARIANTS[kind]:
                 c, folder = config.replace(dtype=dtype), f"{kind}-{dtype}"
                 schemes = [quantize.split(t)[1] for t in targets]
-                export_model(c, tmp / folder, kind=kind, seed=seed, targets=tuple(t for t, q in zip(targets, schemes) if not q),
-                             quant=tuple(q for q in schemes if q), log=lambda *_: None)
+                exported = export_model(c, tmp / folder, kind=kind, seed=seed, windows=ladder, log=lambda *_: None,
+                                        targets=tuple(t for t, q in zip(targets, schemes) if not q),
+                                        quant=tuple(q for q in schemes if q))
                 model = build_model(c, kind, seed)
                 for target in targets:
-                    for step, steps in golden(model, c, target, kind, seed).items():
-                        name = f"{folder}/{step}.{target}"
-                        save_golden(tmp / f"{name}.golden.npz", steps)
-                        graphs.append({"file": f"{name}.onnx", "golden": f"{name}.golden.npz", "kind": kind, "dtype": dtype,
-                                       "target": target, "step": step,
-                                       "tolerance": quantize.tolerance(target, TOLERANCE[dtype])}
-                                      | ({"quantized": quantize.describe(quantize.split(target)[1])}
-                                         if quantize.split(target)[1] else {})
-                                      | ({"host_cache": {"inputs": cache_names(c, kind, "past_"),
-                                                         "shape": [c.batch, c.num_kv_heads, c.capacity, c.head_dim]}}
-                                         if kind == "lm" else {}))
+                    for w in sorted({g["window"] for g in exported["graphs"] if g["target"] == target}):
+                        graphs += _goldens(model, c.replace(capacity=w), kind, target, folder, ladders.suffix(w, c), seed, tmp)
                 log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors")
         for g in (g for g in graphs if g["target"].startswith("npu") and socs):
             compiled = {soc: g["file"].replace(".onnx", f".qnn{soc}.onnx") for soc in socs}
@@ -124,7 +140,8 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                          for t in dict.fromkeys(g["target"] for g in graphs)} for rt in available_runtimes(socs)}
         if not all(runtimes["onnxruntime"].values()) or any(lints[g["file"]]["violations"] for g in graphs):
             raise RuntimeError(f"bundle check failed: onnxruntime {runtimes['onnxruntime']}, lint {lints}")
-        manifest = {"format": 1, "config": config.to_dict(), "kinds": list(kinds), "contract": CONTRACT,
+        manifest = {"format": 1, "config": config.to_dict(), "kinds": list(kinds), "windows": list(ladder),
+                    "contract": CONTRACT,
                     "graphs": graphs, "runtimes": runtimes, "lint": "lint.json",
                     "qnn": {"version": qnn.version(), "socs": list(socs), "soc_names": {str(s): qnn.SOC_NAMES.get(s, "")
                                                                                       for s in socs},
@@ -261,11 +278,16 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="models to include [all]")
     p.add_argument("--socs", nargs="*", type=int, default=list(qnn.SOCS), metavar="SOC",
                    help=f"QNN soc_model numbers to compile the npu graphs for (none: skip) [{' '.join(map(str, qnn.SOCS))}]")
+    p.add_argument("--windows", default="auto", metavar="SIZES",
+                   help="the window ladder, as for python -m export (each window needs room for a prefill chunk and "
+                        f"{DECODE_STEPS} decode steps) [auto]")
     return run(_build, p.parse_args(argv))
 
 
 def _build(args) -> int:
-    build(preset(args.preset), args.out or f"artifacts/{args.preset}/handoff", kinds=tuple(args.kinds), socs=args.socs)
+    config = preset(args.preset)
+    build(config, args.out or f"artifacts/{args.preset}/handoff", kinds=tuple(args.kinds), socs=args.socs,
+          windows=ladders.parse(args.windows, config))
     return 0
 
 

@@ -22,15 +22,16 @@ def load_manifest(folder: str | Path) -> dict:
         raise ArtifactError(f"{path}: not valid JSON ({e}); expected the manifest written by `python -m export`") from None
 
 
-def windows(manifest: dict) -> list[int]:
-    """The export's window ladder, ascending: one window, the capacity, for an export without a ladder."""
-    return sorted({g["window"] for g in manifest.get("graphs", []) if "window" in g}) \
-        or manifest.get("windows", {}).get("sizes") or [manifest["config"]["capacity"]]
+def windows(manifest: dict, target: str | None = None) -> list[int]:
+    """The window ladder of the export (or of one target's graphs), ascending: the capacity alone for an export
+    without a ladder."""
+    return sorted({g["window"] for g in manifest.get("graphs", [])
+                   if "window" in g and g["target"] == (target or g["target"])}) or [manifest["config"]["capacity"]]
 
 
 def graph_entry(manifest: dict, step: str, target: str = "raw", window: int | None = None) -> dict:
     """The step's graph for `target` over `window` cache rows (default: the capacity)."""
-    window = window or windows(manifest)[-1]
+    window = window or windows(manifest, target)[-1]
     for g in manifest.get("graphs", []):
         if g["step"] == step and g["target"] == target and g.get("window", window) == window:
             return g
@@ -54,7 +55,7 @@ def open_generator(folder: str | Path, target: str = "raw", ladder: bool = True,
     window ladder (each larger window opened when a step first needs it), or with `ladder=False` over the
     capacity's graphs alone. `manifest`: the folder's, unless given (an export checking what it just wrote)."""
     manifest = manifest or load_manifest(folder)
-    sizes = windows(manifest) if ladder else windows(manifest)[-1:]
+    sizes = windows(manifest, target) if ladder else windows(manifest, target)[-1:]
     opener = lambda w: lambda: tuple(open_step(folder, step, target, w, manifest, **session_options)  # noqa: E731
                                      for step in ("prefill", "decode"))
     larger = {w: opener(w) for w in sizes[1:]}

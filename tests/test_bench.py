@@ -6,16 +6,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES_RUN = ("torch-eager", "ort-onnxscript", "ort-ort", "genai-fp32")
+ENGINES_RUN = ("torch-eager", "ort-onnxscript", "ort-ort", "ort-npu-single", "genai-fp32")
 
 
 def test_bench_quick_writes_the_schema(tmp_path):
-    # the engines with a path of their own: eager, optimize_for_ort's graphs, ours, and the genai peer (the rest of
-    # the onnxruntime engines differ only in the graph they open, run by the other tests)
+    # the engines with a path of their own: eager, optimize_for_ort's graphs, ours (through the window ladder, and the
+    # host-cache driver over the capacity's graphs alone), and the genai peer (the rest of the onnxruntime engines
+    # differ only in the graph they open, run by the other tests)
     res = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--preset", "tiny", "--out", str(tmp_path),
                           "--engines", *ENGINES_RUN], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert re.search(r"\[\s*11/12\] genai-fp32", res.stdout)  # the progress display counts every engine x workload
+    assert re.search(r"\[\s*13/14\] genai-fp32", res.stdout)  # the progress display counts every engine x workload
     doc = json.loads((tmp_path / "quick.json").read_text())
     assert set(doc) >= {"machine", "limits", "results"}
     assert doc["limits"]["gemm_flops"] > 0 and all(b > 0 for b in doc["limits"]["read_bandwidth_bytes_per_s"].values())
@@ -29,3 +30,4 @@ def test_bench_quick_writes_the_schema(tmp_path):
             continue
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["p90_ms"] <= r["max_ms"]
         assert r["tokens_per_s"] > 0 and r["peak_mb"] > 0 and 0 < r["roofline_fraction"]
+        assert r.get("window") == (64 if r["engine"].startswith("ort-") else None)  # tiny: C=64, no smaller window

@@ -99,3 +99,28 @@ def test_fully_masked_rows_stay_finite_in_fp16(bundle):
     feeds["attention_mask"] = np.full_like(feeds["attention_mask"], -30000.0)
     out = ort.InferenceSession(str(bundle / "attention-fp16/decode.npu.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
     assert all(np.isfinite(o.astype(np.float32)).all() for o in out)
+
+
+def test_a_bundle_carries_the_window_ladder(tmp_path, capsys):
+    """Every graph over each window, with its own goldens (cache and mask W rows wide), verified from the bundle."""
+    out = tmp_path / "handoff"
+    build(preset("tiny"), out, kinds=("attention", "lm"), socs=(), windows=(32, 64), log=lambda *_: None)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["windows"] == [32, 64]
+    small = {g["file"]: g for g in m["graphs"] if g["window"] == 32}
+    assert set(small) == {f"attention-{d}/{s}.{t}.w32.onnx" for d, ts in (("fp32", ("npu", "onnx")), ("fp16", ("npu",)))
+                          for t in ts for s in ("prefill", "decode")} | \
+        {f"lm-{d}/{s}.npu.w32.onnx" for d in ("fp32", "fp16") for s in ("prefill", "decode")}  # QDQ: C only
+    golden = np.load(out / "attention-fp32/decode.npu.w32.golden.npz")
+    assert golden["in.0.past_key"].shape[2] == 32 and golden["in.0.attention_mask"].shape[-1] == 33
+    assert small["lm-fp32/decode.npu.w32.onnx"]["host_cache"]["shape"][2] == 32
+    assert verify_main([str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("pass  onnxruntime") and ".w32." in line for line in lines) == len(small)
+
+
+def test_a_window_too_small_for_the_goldens_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"windows \[16\]: a golden holds a prefill chunk and 8 decode steps; "
+                                         r"expected W >= 24"):
+        build(preset("tiny"), tmp_path / "h", socs=(), windows=(16, 64), log=lambda *_: None)
+    assert not (tmp_path / "h").exists()
