@@ -22,6 +22,7 @@ Larger windows' sessions are opened on their first use.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -150,7 +151,10 @@ class Driver:
     def _run(self, step: str, x: np.ndarray, p0: int) -> np.ndarray:
         """The step in the smallest window holding its last position (the cache moved there first)."""
         last = p0 + (1 if step == "decode" else self.chunk)
-        window = next((w for w in self.windows if w >= last), self.capacity)  # past C: the session says why
+        if not 0 <= p0 < last <= self.capacity:
+            raise FeedError(f"{step} at position {p0}: rows {p0}..{last - 1}; expected them inside the cache "
+                            f"(0..{self.capacity - 1})")
+        window = next(w for w in self.windows if w >= last)
         if window != self.window:
             self._move(window)
             self.window = window
@@ -164,15 +168,15 @@ class Driver:
         raise NotImplementedError
 
     def _inputs(self, session: StepSession, x: np.ndarray, p0: int) -> tuple[np.ndarray, np.ndarray]:
-        """(the step's input, position_ids) for a step at p0, checked against the graph; token ids are taken
-        in any integer type (npu graphs read int32)."""
+        """(the step's input, checked against the graph, and position_ids p0.. for it; _run has checked that they fit);
+        token ids are taken in any integer type (npu graphs read int32)."""
         t = session.spec("position_ids")["shape"][1]
         dtype = np.dtype(session.spec("position_ids")["dtype"])
-        position_ids = np.broadcast_to(np.arange(p0, p0 + t, dtype=dtype), (self.batch, t)).copy()
+        position_ids = np.empty((self.batch, t), dtype)
+        position_ids[:] = np.arange(p0, p0 + t)
         if isinstance(x, np.ndarray) and x.dtype.kind in "iu" and self.input_dtype.kind == "i":
             x = x.astype(self.input_dtype, copy=False)
         session.check_input(self.input_name, x)
-        session.check_input("position_ids", position_ids)
         return x, position_ids
 
 
@@ -263,10 +267,12 @@ class HostCacheGenerator(Driver):
         self.caches = dict(zip(self.past, self._buffers.move(self.window, window)))
 
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
-        x, position_ids = self._inputs(session, x, p0)
+        x, position_ids = self._inputs(session, x, p0)  # checked; the mask and caches are the driver's own
         t = position_ids.shape[1]
         mask = host_mask(self.batch, self.window, p0, t, self.mask_value, self.cache_dtype)
-        out = session.run({self.input_name: x, "position_ids": position_ids, "attention_mask": mask, **self.caches})
+        names = [s["name"] for s in session.outputs]
+        out = dict(zip(names, session.session.run(names, {self.input_name: x, "position_ids": position_ids,
+                                                          "attention_mask": mask, **self.caches})))
         for name, cache in self.caches.items():
             cache[:, :, p0:p0 + t] = out[name.removeprefix("past_")]
         return out[self.output_name]
@@ -274,7 +280,13 @@ class HostCacheGenerator(Driver):
 
 def host_mask(batch: int, capacity: int, p0: int, t: int, mask_value: float, dtype) -> np.ndarray:
     """The npu step's attention_mask [B, 1, T, C+T]: 0 where visible, `mask_value` elsewhere."""
-    visible = np.concatenate([np.broadcast_to(np.arange(capacity) < p0, (t, capacity)),
-                              np.tril(np.ones((t, t), bool))], axis=1)
-    mask = np.where(visible, 0.0, mask_value).astype(dtype)
-    return np.broadcast_to(mask, (batch, 1, t, capacity + t)).copy()
+    mask = np.full((batch, 1, t, capacity + t), mask_value, dtype)
+    mask[..., :p0] = 0
+    mask[..., capacity:] = _causal(t, mask_value, np.dtype(dtype))
+    return mask
+
+
+@functools.cache
+def _causal(t: int, mask_value: float, dtype: np.dtype) -> np.ndarray:
+    """The mask among a step's own T rows: the same every step, so made once."""
+    return np.where(np.tri(t, dtype=bool), 0, mask_value).astype(dtype)

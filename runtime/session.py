@@ -52,6 +52,14 @@ def check_positions(position_ids: np.ndarray, capacity: int) -> None:
         raise FeedError(f"position_ids: row {row} is {position_ids[row].tolist()[:8]}...; expected consecutive positions p0, p0+1, ...")
 
 
+def _numpy_dtype(name: str) -> np.dtype | None:
+    """None for a type numpy cannot name (no array matches it)."""
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
+
+
 class StepSession:
     """One step graph (prefill or decode) in onnxruntime.
 
@@ -76,6 +84,9 @@ class StepSession:
         self.inputs = inputs or [self._spec(i) for i in self.session.get_inputs()]
         self.outputs = outputs or [self._spec(o) for o in self.session.get_outputs()]
         self.capacity = next((s["shape"][2] for s in self.inputs if s["name"] == "past_key"), None)
+        # Looked up on every step: dicts, not scans, and numpy dtypes, not their names.
+        self._specs = {s["name"]: s for s in self.outputs + self.inputs}
+        self._dtypes = {s["name"]: _numpy_dtype(s["dtype"]) for s in self.inputs}
 
     @staticmethod
     def _spec(arg) -> dict:
@@ -94,13 +105,13 @@ class StepSession:
             self.check_input(name, feeds[name])
 
     def spec(self, name: str) -> dict:
-        return next(s for s in self.inputs + self.outputs if s["name"] == name)
+        return self._specs[name]
 
     def check_input(self, name: str, value) -> None:
         spec = self.spec(name)
         if not isinstance(value, np.ndarray):
             raise FeedError(f"{name}: a {type(value).__name__}; expected a numpy array")
-        if str(value.dtype) != spec["dtype"]:
+        if value.dtype != self._dtypes[name]:
             raise FeedError(f"{name}: dtype {value.dtype}; expected {spec['dtype']}")
         if list(value.shape) != list(spec["shape"]):
             raise FeedError(f"{name}: shape {list(value.shape)}; expected {spec['shape']}")

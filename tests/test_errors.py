@@ -51,6 +51,8 @@ def test_generator_refuses_what_does_not_fit(exported):
     gen.prefill(np.zeros((1, 64, 64), np.float32))
     with pytest.raises(FeedError, match="decode: position 64 is past the cache"):
         gen.decode(np.zeros((1, 1, 64), np.float32))
+    with pytest.raises(FeedError, match=r"prefill at position 60: rows 60..75; expected them inside the cache \(0..63\)"):
+        gen.run_step("prefill", np.zeros((1, 16, 64), np.float32), 60)
     gen.reset()
     with pytest.raises(FeedError, match="hidden_states: dtype float16; expected float32"):
         gen.decode(np.zeros((1, 1, 64), np.float16))
