@@ -151,7 +151,7 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                     if socs else {"socs": [], "note": "onnxruntime-qnn is not installed: nothing compiled for the HTP"}}
         (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        (tmp / "README.md").write_text(readme(config, runtimes, manifest["qnn"]))
+        (tmp / "README.md").write_text(readme(config, runtimes, manifest["qnn"], list(ladder)))
     log(f"wrote {out}: {len(graphs)} graphs; accepted by " +
         "; ".join(f"{rt}: {', '.join(t for t, ok in r.items() if ok) or 'none'}" for rt, r in runtimes.items()))
     return manifest
@@ -189,7 +189,7 @@ CONTRACT = {
 }
 
 
-def readme(config: AttentionConfig, runtimes: dict, htp: dict) -> str:
+def readme(config: AttentionConfig, runtimes: dict, htp: dict, windows: list[int]) -> str:
     accepted = "\n".join(f"- {rt}: " + ", ".join(f"`{t}` {'yes' if ok else 'no'}" for t, ok in r.items())
                          for rt, r in runtimes.items())
     deploy = "\n".join(f"| {soc} | {htp['soc_names'][str(soc)]} | `*.npu.qnn{soc}.onnx` |" for soc in htp["socs"])
@@ -218,6 +218,12 @@ per output channel, activations uint16 with ranges calibrated on activations rec
 (the calibration set and method are in each export's `manifest.json`). Their mask value is {QDQ_MASK}, not
 {MASK_VALUE}, so the 16-bit scores keep their resolution. They are judged against eager fp32 at their accuracy
 budget (`tolerance` in manifest.json), not at 1e-4; the measured accuracy is in `lm-fp32/manifest.json`.
+
+Context windows: every float graph is there once per window W of the ladder {windows} (C's keep the names above,
+the others add `.wW`: `decode.npu.w{windows[0]}.onnx`), all reading the same `weights.data`. Window W's graphs take
+caches `[B,Hkv,W,D]` and an attention_mask `[B,1,T,W+T]` (C replaced by W below) and cost what W rows cost, not
+C: run each step in the smallest W with p0+T <= W, and when W grows, move rows 0..p0-1 into the larger buffers.
+The QDQ graphs are over C only.
 
 Every graph has a `*.golden.npz` beside it: inputs and eager-PyTorch (fp32) outputs for a prefill chunk at
 position 0 (prefill graphs) or 8 decode steps after it (decode graphs); the whole model's decode steps feed

@@ -24,7 +24,7 @@ import onnx
 import onnx_ir as ir
 
 from models import AttentionConfig
-from runtime.drivers import Driver
+from runtime.drivers import HostCacheGenerator
 
 from passes.lower_npu import MASK_VALUE
 from passes.pipeline import WEIGHT_ONLY
@@ -111,12 +111,17 @@ def calibration_inputs(config: AttentionConfig, kind: str, seed: int = 4321) -> 
             for n in lengths]
 
 
-def record_feeds(driver: Driver, inputs: list[np.ndarray]) -> dict[str, list[dict]]:
-    """Every feed the prefill and decode sessions of `driver` see while it reads each input (all but its last
+def record_feeds(driver: HostCacheGenerator, inputs: list[np.ndarray]) -> dict[str, list[dict]]:
+    """Every feed the prefill and decode graphs of `driver` see while it reads each input (all but its last
     CALIBRATION_DECODE_STEPS positions as a prompt, then those as decode steps)."""
     feeds = {"prefill": [], "decode": []}
-    for step, session in (("prefill", driver.prefill_session), ("decode", driver.decode_session)):
-        session.run = _recording(session.run, feeds[step])
+    into = {id(driver.prefill_session): feeds["prefill"], id(driver.decode_session): feeds["decode"]}
+    infer = driver.infer
+
+    def recorded(session, step_feeds: dict) -> dict:
+        into[id(session)].append({k: np.array(v, copy=True) for k, v in step_feeds.items()})
+        return infer(session, step_feeds)
+    driver.infer = recorded
     try:
         for x in inputs:
             driver.reset()
@@ -124,16 +129,8 @@ def record_feeds(driver: Driver, inputs: list[np.ndarray]) -> dict[str, list[dic
             for i in range(x.shape[1] - CALIBRATION_DECODE_STEPS, x.shape[1]):
                 driver.decode(x[:, i:i + 1])
     finally:
-        for session in (driver.prefill_session, driver.decode_session):
-            del session.run
+        del driver.infer
     return feeds
-
-
-def _recording(run, into: list):
-    def recorded(feeds: dict) -> dict:
-        into.append({k: np.array(v, copy=True) for k, v in feeds.items()})
-        return run(feeds)
-    return recorded
 
 
 def qdq(model: ir.Model, feeds: list[dict]) -> ir.Model:

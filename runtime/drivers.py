@@ -270,12 +270,15 @@ class HostCacheGenerator(Driver):
         x, position_ids = self._inputs(session, x, p0)  # checked; the mask and caches are the driver's own
         t = position_ids.shape[1]
         mask = host_mask(self.batch, self.window, p0, t, self.mask_value, self.cache_dtype)
-        names = [s["name"] for s in session.outputs]
-        out = dict(zip(names, session.session.run(names, {self.input_name: x, "position_ids": position_ids,
-                                                          "attention_mask": mask, **self.caches})))
+        out = self.infer(session, {self.input_name: x, "position_ids": position_ids, "attention_mask": mask, **self.caches})
         for name, cache in self.caches.items():
             cache[:, :, p0:p0 + t] = out[name.removeprefix("past_")]
         return out[self.output_name]
+
+    def infer(self, session: StepSession, feeds: dict) -> dict:
+        """One run of a step graph on feeds the driver made (what export/quantize.py wraps to record them)."""
+        names = [s["name"] for s in session.outputs]
+        return dict(zip(names, session.session.run(names, feeds)))
 
 
 def host_mask(batch: int, capacity: int, p0: int, t: int, mask_value: float, dtype) -> np.ndarray:
