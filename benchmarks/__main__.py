@@ -96,6 +96,23 @@ def run_engine(engine: str, config, folders: dict, jobs: list, threads: int, tim
     return rows
 
 
+def median_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (engine, workload): its median round's (the lower middle of an even count), with every round's
+    median beside it; a workload unavailable in any round stays unavailable."""
+    rounds: dict[tuple, list[dict]] = {}
+    for row in rows:
+        rounds.setdefault((row["engine"], row["workload"]), []).append(row)
+    merged = []
+    for same in rounds.values():
+        failed = [r for r in same if "median_ms" not in r]
+        if failed or len(same) == 1:
+            merged.append((failed or same)[0])
+            continue
+        ordered = sorted(same, key=lambda r: r["median_ms"])
+        merged.append(ordered[(len(ordered) - 1) // 2] | {"round_medians_ms": [r["median_ms"] for r in same]})
+    return merged
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="decode@1024 and prefill@0, and lm/decode@1024 and lm/prefill@128 "
@@ -105,13 +122,18 @@ def main(argv=None) -> int:
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES, help="engines to run [all]")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="workload families to run [all]")
     p.add_argument("--out", default="benchmarks", help="output folder [benchmarks]")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every engine this many times, engines in turn, and keep each workload's median round: "
+                        "the machine's noise drifts over minutes, and rounds spread it over every engine alike [1]")
     return run(bench, p.parse_args(argv))
 
 
 def bench(args) -> int:
     config, out = preset(args.preset), Path(args.out)
     jobs = [w for w in workloads(config, args.quick) if w.kind in args.kinds]
-    total = sum(e in w.engines for w in jobs for e in args.engines)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}; expected at least 1")
+    total = args.rounds * sum(e in w.engines for w in jobs for e in args.engines)
     print(f"exporting {args.preset} graphs ...", flush=True)
     folders = {}
     for kind in dict.fromkeys(w.kind for w in jobs):
@@ -127,9 +149,11 @@ def bench(args) -> int:
         what = f"{row['median_ms']:.3f} ms" if "median_ms" in row else f"unavailable: {row['unavailable']}"
         print(f"[{done:3d}/{total}] {row['engine']:15s} {row['workload']:22s} {what}", flush=True)
 
-    for engine in args.engines:
-        mine = [w for w in jobs if engine in w.engines]
-        results += run_engine(engine, config, folders, mine, args.threads, TIMING["quick" if args.quick else "full"], log)
+    for _ in range(args.rounds):
+        for engine in args.engines:
+            mine = [w for w in jobs if engine in w.engines]
+            results += run_engine(engine, config, folders, mine, args.threads, TIMING["quick" if args.quick else "full"], log)
+    results = median_rounds(results)
     by_name = {w.name: w for w in jobs}
     for row in results:
         w = by_name[row["workload"]]
@@ -141,6 +165,7 @@ def bench(args) -> int:
         row["floor_ms"] = floor_s * 1e3
         row["roofline_fraction"] = row["floor_ms"] / row["median_ms"]
     doc = {"machine": machine(args.threads), "preset": args.preset, "config": config.to_dict(), "limits": limits,
+           "rounds": args.rounds,
            "workloads": {w.name: {"bytes": w.working_set(config), "flops": w.flops(config)} for w in jobs},
            "results": results}
     out.mkdir(parents=True, exist_ok=True)

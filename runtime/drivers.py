@@ -182,12 +182,15 @@ class Driver:
 
 class CacheBuffers:
     """One zeroed host buffer per cache, sized for the largest window and viewed as [B, Hkv, W, D] for the window
-    in use. Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite."""
+    in use. Zeroed, so rows no step wrote hold finite values and masked-out scores stay finite; written (np.full,
+    not np.zeros), so every page is the buffer's own from the start: untouched np.zeros pages all map one shared
+    zero page, which a kernel reading rows no step wrote reads from cache, not memory (a benchmark over a fresh
+    buffer would time less memory traffic than a cache that has held a sequence)."""
 
     def __init__(self, driver: Driver):
         self.driver = driver
         size = math.prod(driver.cache_shape(driver.capacity))
-        self._flat = [np.zeros(size, driver.cache_dtype) for _ in driver.past]
+        self._flat = [np.full(size, 0, driver.cache_dtype) for _ in driver.past]
 
     def view(self, window: int) -> list[np.ndarray]:
         shape = self.driver.cache_shape(window)

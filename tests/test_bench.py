@@ -31,3 +31,12 @@ def test_bench_quick_writes_the_schema(tmp_path):
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["p90_ms"] <= r["max_ms"]
         assert r["tokens_per_s"] > 0 and r["peak_mb"] > 0 and 0 < r["roofline_fraction"]
         assert r.get("window") == (64 if r["engine"].startswith("ort-") else None)  # tiny: C=64, no smaller window
+
+
+def test_rounds_keep_each_workloads_median_round():
+    from benchmarks.__main__ import median_rounds
+    rows = [{"engine": "a", "workload": "w", "median_ms": m, "run": i} for i, m in enumerate((3.0, 1.0, 2.0))]
+    rows += [{"engine": "b", "workload": "w", "median_ms": 1.0}, {"engine": "b", "workload": "w", "unavailable": "x"}]
+    merged = median_rounds(rows)
+    assert merged[0] == {"engine": "a", "workload": "w", "median_ms": 2.0, "run": 2, "round_medians_ms": [3.0, 1.0, 2.0]}
+    assert merged[1] == {"engine": "b", "workload": "w", "unavailable": "x"} and len(merged) == 2
