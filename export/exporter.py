@@ -234,7 +234,7 @@ def _sequence_parity(model, config: AttentionConfig, kind: str, graphs: list[dic
     decode_steps = min(16, config.capacity // 2)  # a prompt over one chunk, then up to 16 decode steps
     prompt_len = min(config.capacity - decode_steps, config.chunk + config.chunk // 2 + 1)
     if len(driver.windows) > 1:
-        prompt_len = max(prompt_len, driver.windows[-2] - decode_steps // 2)
+        prompt_len = min(max(prompt_len, driver.windows[-2] - decode_steps // 2), config.capacity - decode_steps)
     check = token_parity if kind == "lm" else sequence_parity
     seq = check(model, driver, config, prompt_len=prompt_len, decode_steps=decode_steps, seed=seed)
     if not within(seq, _tolerance(config, target)):
