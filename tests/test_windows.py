@@ -152,3 +152,13 @@ def test_a_switch_that_loses_the_rows_is_caught(exported, monkeypatch):
     monkeypatch.setattr(CacheBuffers, "move", forgetful)
     res = sequence_parity(art.model(), art.generator("onnx"), art.config, prompt_len=10, decode_steps=12, seed=5)
     assert not within(res, "fp32"), res
+
+
+def test_a_window_just_below_the_capacity(exported):
+    """Windows need not be powers of two: 60 rows next to C=64 (the export's own sequence check stays in the cache)."""
+    art = exported(windows=(60, 64))
+    gen = recording(art.generator("npu"))
+    res = sequence_parity(art.model(), gen, art.config, prompt_len=50, decode_steps=14, seed=8)
+    assert within(res, "fp32"), res
+    # the padded last chunk (48..63) needs all 64 rows; decode steps 50..59 fit 60 again, 60.. need 64
+    assert gen.moves == [64, 60, 64] and art.manifest["sequence_parity"]["targets"]["onnx"]["prompt_len"] == 48
