@@ -171,8 +171,7 @@ class Driver:
         """(the step's input, checked against the graph, and position_ids p0.. for it; _run has checked that they fit);
         token ids are taken in any integer type (npu graphs read int32)."""
         t = session.spec("position_ids")["shape"][1]
-        dtype = np.dtype(session.spec("position_ids")["dtype"])
-        position_ids = np.empty((self.batch, t), dtype)
+        position_ids = np.empty((self.batch, t), session.dtype("position_ids"))
         position_ids[:] = np.arange(p0, p0 + t)
         if isinstance(x, np.ndarray) and x.dtype.kind in "iu" and self.input_dtype.kind == "i":
             x = x.astype(self.input_dtype, copy=False)
@@ -280,8 +279,7 @@ class HostCacheGenerator(Driver):
 
     def infer(self, session: StepSession, feeds: dict) -> dict:
         """One run of a step graph on feeds the driver made (what export/quantize.py wraps to record them)."""
-        names = [s["name"] for s in session.outputs]
-        return dict(zip(names, session.session.run(names, feeds)))
+        return dict(zip(session.output_names, session.session.run(session.output_names, feeds)))
 
 
 def host_mask(batch: int, capacity: int, p0: int, t: int, mask_value: float, dtype) -> np.ndarray:

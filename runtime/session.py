@@ -87,6 +87,7 @@ class StepSession:
         # Looked up on every step: dicts, not scans, and numpy dtypes, not their names.
         self._specs = {s["name"]: s for s in self.outputs + self.inputs}
         self._dtypes = {s["name"]: _numpy_dtype(s["dtype"]) for s in self.inputs}
+        self.output_names = [s["name"] for s in self.outputs]
 
     @staticmethod
     def _spec(arg) -> dict:
@@ -107,11 +108,15 @@ class StepSession:
     def spec(self, name: str) -> dict:
         return self._specs[name]
 
+    def dtype(self, name: str) -> np.dtype | None:
+        """An input's numpy dtype."""
+        return self._dtypes[name]
+
     def check_input(self, name: str, value) -> None:
         spec = self.spec(name)
         if not isinstance(value, np.ndarray):
             raise FeedError(f"{name}: a {type(value).__name__}; expected a numpy array")
-        if value.dtype != self._dtypes[name]:
+        if value.dtype != self.dtype(name):
             raise FeedError(f"{name}: dtype {value.dtype}; expected {spec['dtype']}")
         if list(value.shape) != list(spec["shape"]):
             raise FeedError(f"{name}: shape {list(value.shape)}; expected {spec['shape']}")
@@ -120,5 +125,4 @@ class StepSession:
 
     def run(self, feeds: dict) -> dict:
         self.check(feeds)
-        names = [s["name"] for s in self.outputs]
-        return dict(zip(names, self.session.run(names, feeds)))
+        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
