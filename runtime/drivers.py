@@ -224,9 +224,8 @@ class Generator(Driver):
         self._present = self._past if self.in_place else [value(a) for a in self._present_buffers.view(window)]
         for session in self._sessions(window):
             if id(session) not in self._bindings:
-                self._bindings[id(session)] = session.session.io_binding()
-                self._bindings[id(session)].bind_output(self.output_name, "cpu")
-            self._bind_cache(self._bindings[id(session)])
+                self._bindings[id(session)] = HostIO(session, self.input_name, self.output_name)
+            self._bind_cache(self._bindings[id(session)].binding)
 
     def _move(self, window: int) -> None:
         if self.device != "cpu":  # the rows in use come back to the host buffers first
@@ -235,22 +234,35 @@ class Generator(Driver):
         self._bind(window, self._past_buffers.move(self.window, window))
 
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
-        x, position_ids = self._inputs(session, x, p0)
-        binding = self._bindings[id(session)]
-        binding.bind_cpu_input(self.input_name, np.ascontiguousarray(x))
-        binding.bind_cpu_input("position_ids", position_ids)
+        io = self._bindings[id(session)]
+        io.input[...], io.positions[...] = self._inputs(session, x, p0)
         if not self.in_place:
-            self._bind_cache(binding)
-        session.session.run_with_iobinding(binding)
+            self._bind_cache(io.binding)
+        session.session.run_with_iobinding(io.binding)
         if not self.in_place:
             self._past, self._present = self._present, self._past
             self._past_buffers, self._present_buffers = self._present_buffers, self._past_buffers
-        return binding.get_outputs()[0].numpy().copy()  # the binding reuses its output buffer next step
+        return io.output.copy()  # the binding writes into the same array next step
 
     def _bind_cache(self, binding) -> None:
         for name, past, present in zip(self.past, self._past, self._present):
             binding.bind_ortvalue_input(name, past)
             binding.bind_ortvalue_output("present_" + name.removeprefix("past_"), present)
+
+
+class HostIO:
+    """A session's IO binding with its step input, position_ids and output bound once to host arrays, which each
+    step writes and reads in place: binding fresh arrays every step, and wrapping every bound output (the caches
+    too) to read the one it returns, cost ~50 us a token, 2% of an int4 decode step."""
+
+    def __init__(self, session: StepSession, input_name: str, output_name: str):
+        self.binding = session.session.io_binding()
+        host = lambda name: np.empty(session.spec(name)["shape"], np.dtype(session.spec(name)["dtype"]))  # noqa: E731
+        self.input, self.positions, self.output = host(input_name), host("position_ids"), host(output_name)
+        self._values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self.input, self.positions, self.output)]
+        self.binding.bind_ortvalue_input(input_name, self._values[0])
+        self.binding.bind_ortvalue_input("position_ids", self._values[1])
+        self.binding.bind_ortvalue_output(output_name, self._values[2])
 
 
 class HostCacheGenerator(Driver):
