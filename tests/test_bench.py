@@ -40,3 +40,8 @@ def test_rounds_keep_each_workloads_median_round():
     merged = median_rounds(rows)
     assert merged[0] == {"engine": "a", "workload": "w", "median_ms": 2.0, "run": 2, "round_medians_ms": [3.0, 1.0, 2.0]}
     assert merged[1] == {"engine": "b", "workload": "w", "unavailable": "x"} and len(merged) == 2
+
+
+def test_rounds_alternate_the_engine_order():
+    from benchmarks.__main__ import round_order
+    assert [round_order(["a", "b", "c"], r) for r in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
