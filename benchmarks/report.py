@@ -83,8 +83,8 @@ def write_markdown(doc: dict, path: Path) -> None:
                          f"{r['peak_mb']:.0f} | {r['floor_ms']:.3f} | {100 * r['roofline_fraction']:.0f}% | {ratios[0]} | {ratios[1]} |")
     rounds = doc.get("rounds", 1)
     lines += ["", "Ratios are speedups (baseline median / engine median), measured side by side in one run"
-              + (f" of {rounds} rounds (every engine once per round, in turn, the order reversed every other round; each row is its median round)" if rounds > 1
-                 else "") + ". window: the "
+              + (f" of {rounds} rounds (every engine once per round, in turn, the order reversed every other round; "
+                 "each row is its median round)" if rounds > 1 else "") + ". window: the "
               "cache rows the onnxruntime engine's graphs attended over (the smallest of the export's ladder holding the "
               "step; the -single engines run the capacity's graphs alone)."]
     path.write_text("\n".join(lines) + "\n")
