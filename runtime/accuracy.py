@@ -21,6 +21,8 @@ import torch
 
 from models.lm import greedy
 
+from .metrics import distribution
+
 PROMPTS = 4
 DECODE_STEPS = 16
 
@@ -43,20 +45,6 @@ def references(model, prompts: list[np.ndarray]) -> list[tuple[np.ndarray, np.nd
     return out
 
 
-def distribution_errors(got: np.ndarray, ref: np.ndarray) -> dict:
-    """Per-step logit errors and KL(ref || got) over rows of [N, V]."""
-    got, ref = got.astype(np.float64), ref.astype(np.float64)
-    rel = np.abs(got - ref).max(-1) / np.abs(ref).max(-1)
-    logp, logq = _log_softmax(ref), _log_softmax(got)
-    kl = (np.exp(logp) * (logp - logq)).sum(-1)
-    return {"rel": rel, "kl": kl, "top1": got.argmax(-1) == ref.argmax(-1)}
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 def measure(driver, prompts: list[np.ndarray], refs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
     """The figures above for `driver` over the prompt set."""
     per_step, matched = [], []
@@ -64,7 +52,7 @@ def measure(driver, prompts: list[np.ndarray], refs: list[tuple[np.ndarray, np.n
         driver.reset()
         column = lambda token: np.full((prompt.shape[0], 1), token)  # noqa: E731
         got = [driver.feed(prompt)[0, -1]] + [driver.decode(column(tokens[i]))[0, -1] for i in range(DECODE_STEPS)]
-        per_step.append(distribution_errors(np.stack(got), ref))
+        per_step.append(distribution(np.stack(got), ref))
         driver.reset()
         nxt, run = int(np.argmax(driver.feed(prompt)[0, -1])), 0
         while run < DECODE_STEPS and nxt == tokens[run]:

@@ -1,27 +1,120 @@
-"""How close an output is to its reference: the one measure every parity check uses.
+"""How close an output is to its reference: the one rule every gate uses (export parity, quantized accuracy,
+passes --verify, the bundle verifier, the fuzzer).
+
+The rule is normwise relative: max |a - e| / max |e| within a budget, every value finite where the reference
+is. A broken output cannot pass it at any budget we use, since every budget is below 1:
+
+- all zeros: exactly 1;  NaN or inf: refused outright (`finite`);
+- shuffled, noise of the output's scale, or a constant against zero-centred outputs (hidden states,
+  logits, K/V rows): about 1 or more.
+
+Logits get a distribution measure beside it (`logit_error`): KL(reference || output) of the softmax and
+top-1 agreement, which a `Budget` can bound too (a constant output's uniform distribution is far in KL
+from a trained model's; random weights are near-uniform themselves, so there the normwise rule carries it).
 
 No torch here, so a hand-off bundle's verifier can use it with numpy and onnxruntime alone.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What an output may be off by: max_rel always; for logits also a KL bound (mean over steps, nats) and the
+    least top-1 agreement. A float tolerance is Budget(max_rel=tolerance)."""
+    max_rel: float
+    kl_mean: float | None = None
+    top1: float | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.max_rel < 1:
+            raise ValueError(f"budget max_rel={self.max_rel}; expected 0 <= max_rel < 1 (an all-zero output has "
+                             "max_rel exactly 1, so a budget of 1 or more passes it)")
+
+
 def error(actual: np.ndarray, expected: np.ndarray) -> dict:
-    """max |a - e|, and the same relative to max |e| (a normwise relative error)."""
-    if expected.size == 0:
-        return {"max_abs": 0.0, "max_rel": 0.0}
-    diff = float(np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max())
-    scale = float(np.abs(expected.astype(np.float64)).max())
-    return {"max_abs": diff, "max_rel": diff / scale if scale else diff}
+    """max |a - e|, the same relative to max |e| (normwise relative), and whether `actual` is finite wherever
+    `expected` is (a NaN or inf the reference does not have)."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    if a.shape != e.shape:
+        return {"max_abs": float("inf"), "max_rel": float("inf"), "finite": False, "shape": [list(a.shape), list(e.shape)]}
+    if e.size == 0:
+        return {"max_abs": 0.0, "max_rel": 0.0, "finite": True}
+    ok = np.isfinite(e)
+    finite = bool(np.isfinite(a[ok]).all()) and bool((a[~ok] == e[~ok]).all())
+    diff = float(np.abs(a[ok] - e[ok]).max()) if ok.any() else 0.0
+    scale = float(np.abs(e[ok]).max()) if ok.any() else 0.0
+    if not finite:
+        diff = float("inf")
+    return {"max_abs": diff, "max_rel": diff / scale if scale else diff, "finite": finite}
+
+
+def logit_error(actual: np.ndarray, expected: np.ndarray) -> dict:
+    """error() over logits [..., V], plus KL(expected || actual) of their softmax (mean and max over rows, nats)
+    and top-1 agreement (the share of rows whose argmax is the reference's)."""
+    err = error(actual, expected)
+    if "shape" in err:
+        return err | {"kl_mean": float("inf"), "kl_max": float("inf"), "top1": 0.0}
+    rows = distribution(np.asarray(actual).reshape(-1, expected.shape[-1]),
+                        np.asarray(expected).reshape(-1, expected.shape[-1]))
+    kl = rows["kl"] if err["finite"] else np.full_like(rows["kl"], np.inf)
+    return err | {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "top1": float(rows["top1"].mean())}
+
+
+def distribution(got: np.ndarray, ref: np.ndarray) -> dict:
+    """Per row of [N, V]: max |got - ref| / max |ref| (`rel`), KL(ref || got) of the softmax (`kl`) and whether
+    the argmax agrees (`top1`)."""
+    got, ref = got.astype(np.float64), ref.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        rel = np.abs(got - ref).max(-1) / np.abs(ref).max(-1)
+        logp, logq = _log_softmax(ref), _log_softmax(got)
+        kl = (np.exp(logp) * (logp - logq)).sum(-1)
+    kl = np.where(np.isfinite(kl), kl, np.inf)
+    return {"rel": np.where(np.isfinite(rel), rel, np.inf), "kl": kl, "top1": got.argmax(-1) == ref.argmax(-1)}
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def worst(errors: list[dict]) -> dict:
-    return {k: max(e[k] for e in errors) for k in ("max_abs", "max_rel")}
+    """The worst of several errors: largest max_abs, max_rel and KL, least top-1, finite only if all are."""
+    out = {k: max(e[k] for e in errors) for k in ("max_abs", "max_rel")}
+    out["finite"] = all(e.get("finite", True) for e in errors)
+    for k in ("kl_mean", "kl_max"):
+        if any(k in e for e in errors):
+            out[k] = max(e[k] for e in errors if k in e)
+    if any("top1" in e for e in errors):
+        out["top1"] = min(e["top1"] for e in errors if "top1" in e)
+    return out
 
 
-def close(err: dict, tolerance: float) -> bool:
-    """DESIGN.md: within tolerance in absolute or relative terms; NaN never passes."""
-    return bool(err["max_abs"] <= tolerance or err["max_rel"] <= tolerance)
+def budget(tolerance: float | Budget) -> Budget:
+    return tolerance if isinstance(tolerance, Budget) else Budget(max_rel=float(tolerance))
+
+
+def why_not(err: dict, tolerance: float | Budget) -> str | None:
+    """None if `err` is within `tolerance`, else which measure missed, in a few words."""
+    b = budget(tolerance)
+    if "shape" in err:
+        return f"shape {tuple(err['shape'][0])}; expected {tuple(err['shape'][1])}"
+    if not err.get("finite", True) or not np.isfinite(err["max_rel"]):
+        return "non-finite values (NaN or inf) where the reference is finite"
+    if not err["max_rel"] <= b.max_rel:
+        return f"max_rel {err['max_rel']:.3g} > {b.max_rel:g}"
+    if b.kl_mean is not None and "kl_mean" in err and not err["kl_mean"] <= b.kl_mean:
+        return f"kl_mean {err['kl_mean']:.3g} > {b.kl_mean:g}"
+    if b.top1 is not None and "top1" in err and not err["top1"] >= b.top1:
+        return f"top-1 agreement {err['top1']:.0%} < {b.top1:.0%}"
+    return None
+
+
+def close(err: dict, tolerance: float | Budget) -> bool:
+    """Within the budget on every measure `err` carries; NaN never passes, and neither does an all-zero output."""
+    return why_not(err, tolerance) is None
