@@ -21,13 +21,14 @@ from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
 from export import export_model
 from export.windows import default as ladder
+from runtime.artifacts import load_manifest
 from runtime.cli import Parser, run
-from models import build_model, preset
+from models import build_model, checksum, preset
 
-from .engines import ENGINES
+from .engines import ENGINES, onnxscript_file
 from .limits import gemm_rate, read_bandwidth
 from .peers import build_genai
-from .report import write_markdown, write_plot
+from .report import markdown, plot
 from .workloads import GENAI, KINDS, workloads
 
 TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
@@ -35,6 +36,7 @@ TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
 
 
 ROOT = Path(__file__).resolve().parents[1]
+BUILT_FROM = "built-from-weights"  # in each genai build's folder: the checksum of the weights it was built from
 
 
 def code_fingerprint() -> str:
@@ -46,9 +48,9 @@ def code_fingerprint() -> str:
 
 
 def prepare(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Path]:
-    """Export the model's graphs and the raw graph through optimize_for_ort, unless this config was exported by
-    this code already; for the whole model, onnxruntime-genai's builds of the same weights that the engines asked
-    for. Returns the folders each engine reads."""
+    """Export the model's graphs and every raw graph (each window's) through optimize_for_ort, unless this config was
+    exported by this code already; for the whole model, onnxruntime-genai's builds of the same weights that the
+    engines asked for, unless built from weights with the same checksum. Returns the folders each engine reads."""
     genai = [e for e in engines if e in GENAI] if kind == "lm" else []
     stamp = folder / "fingerprint"
     quant = ("int4", "int8", "w8a16") if kind == "lm" else ()  # w8a16 for benchmarks.accuracy
@@ -56,15 +58,31 @@ def prepare(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Pa
                               "code": code_fingerprint()})
     if not (stamp.exists() and stamp.read_text() == fingerprint):
         export_model(config, folder, kind=kind, quant=quant, windows=ladder(config), log=lambda *_: None)
-        for step in ("prefill", "decode"):
-            model = ir.load(folder / f"{step}.raw.onnx")
+        for graph in (g for g in load_manifest(folder)["graphs"] if g["target"] == "raw"):
+            model = ir.load(folder / graph["file"])
             optimize_for_ort(model)
-            ir.save(model, folder / f"{step}.onnxscript.onnx")
+            ir.save(model, folder / onnxscript_file(graph["file"]))
         stamp.write_text(fingerprint)
-    missing = [e for e in genai if not (folder / e / "genai_config.json").exists()]
-    if missing:
-        build_genai(build_model(config, "lm", seed=0), folder, missing)
+    if genai:
+        prepare_genai(build_model(config, "lm", seed=0), folder, genai)
     return {kind: folder} | {e: folder / e for e in genai}
+
+
+def prepare_genai(model, folder: Path, engines: list[str]) -> None:
+    """onnxruntime-genai's builds of `model`, each stamped with the checksum of the weights it was built from: a
+    build from other weights (a changed initialisation) is rebuilt, not reused because its files exist."""
+    built_from = checksum(model)
+    stale = [e for e in engines if not (folder / e / "genai_config.json").exists()
+             or _read(folder / e / BUILT_FROM) != built_from]
+    if stale:
+        build_genai(model, folder, stale)
+    for e in stale:
+        if (folder / e / "genai_config.json").exists():
+            (folder / e / BUILT_FROM).write_text(built_from)
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
 
 
 def machine(threads: int) -> dict:
@@ -172,7 +190,7 @@ def bench(args) -> int:
         row["floor_ms"] = floor_s * 1e3
         row["roofline_fraction"] = row["floor_ms"] / row["median_ms"]
     doc = {"machine": machine(args.threads), "preset": args.preset, "config": config.to_dict(), "limits": limits,
-           "rounds": args.rounds,
+           "rounds": args.rounds, "round_order": "the order reversed every other round",
            "workloads": {w.name: {"bytes": w.working_set(config), "flops": w.flops(config)} for w in jobs},
            "results": results}
     out.mkdir(parents=True, exist_ok=True)
@@ -180,8 +198,8 @@ def bench(args) -> int:
     (out / name).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out / name}")
     if not args.quick:
-        write_markdown(doc, out / "results.md")
-        write_plot(doc, out / "decode.png")
+        (out / "results.md").write_text(markdown(doc))
+        (out / "decode.png").write_bytes(plot(doc))
         print(f"wrote {out / 'results.md'}, {out / 'decode.png'}")
     return 0
 

@@ -17,7 +17,7 @@ import torch
 
 from models import AttentionConfig, build_model
 from models.contract import example_inputs
-from runtime.artifacts import open_generator
+from runtime.artifacts import graph_entry, load_manifest, open_generator, windows
 from runtime.drivers import Driver, Generator
 from runtime.session import StepSession
 
@@ -85,14 +85,12 @@ class Engine:
     def _generator(self, kind: str) -> Driver:
         """The export's graphs open as a user opens them (artifacts.open_generator: the window ladder, or its
         largest window alone for the -single engines); the optimize_for_ort graphs, which are not in the
-        manifest, keep ScatterElements and so a copied cache, over C rows."""
+        manifest, open over the raw graphs' ladder, so ort-onnxscript and ort-raw attend over the same rows."""
         if kind not in self._generators:
             target = self.name.removeprefix("ort-").removesuffix("-single")
             options = {"provider": "cpu", "threads": self.threads, "profile": self.profile}
             if target == "onnxscript":
-                sessions = [StepSession(self.folders[kind] / f"{step}.onnxscript.onnx", **options)
-                            for step in ("prefill", "decode")]
-                self._generators[kind] = Generator(*sessions)
+                self._generators[kind] = onnxscript_generator(self.folders[kind], **options)
             else:
                 self._generators[kind] = open_generator(self.folders[kind], target,
                                                         ladder=not self.name.endswith("-single"), **options)
@@ -124,6 +122,23 @@ class Engine:
             gen.generate_next_token()
             gen.rewind_to(w.p0)
         return decode
+
+
+def onnxscript_file(raw_file: str) -> str:
+    """optimize_for_ort's rewrite of a raw graph, beside it: prefill.raw.w256.onnx -> prefill.onnxscript.w256.onnx."""
+    return raw_file.replace(".raw.", ".onnxscript.", 1)
+
+
+def onnxscript_generator(folder: Path, **options) -> Generator:
+    """optimize_for_ort's graphs over the raw target's window ladder. They keep ScatterElements, so the cache is
+    copied each step (no in-place binding), as the raw graphs' is."""
+    manifest = load_manifest(folder)
+
+    def opener(window: int):
+        return lambda: tuple(StepSession(folder / onnxscript_file(graph_entry(manifest, step, "raw", window)["file"]),
+                                         **options) for step in ("prefill", "decode"))
+    sizes = windows(manifest, "raw")
+    return Generator(*opener(sizes[0])(), {w: opener(w) for w in sizes[1:]})
 
 
 def warm_check(engine: Engine, w: Workload) -> None:
