@@ -19,6 +19,7 @@ from runtime.parity import reference_model
 
 from .__main__ import prepare
 from .peers import GenaiDriver
+from .report import accuracy_markdown
 
 TARGETS = ("ort", "ort-int4", "ort-int8", "npu-w8a16")
 PEERS = ("genai-fp32", "genai-int4")
@@ -55,25 +56,13 @@ def measure_all(args) -> int:
            "decode_steps": accuracy.DECODE_STEPS, "results": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "accuracy.md").write_text(markdown(doc))
+    (out / "accuracy.md").write_text(accuracy_markdown(doc))
     print(f"wrote {out / 'accuracy.json'}, {out / 'accuracy.md'}")
     return 0
 
 
 def _line(name: str, r: dict) -> str:
     return f"{name:12s} " + ", ".join(f"{k} {r[k]:.3g}" for k in COLUMNS)
-
-
-def markdown(doc: dict) -> str:
-    lines = [f"Accuracy against {doc['reference']}, {doc['preset']} preset: {len(doc['prompts'])} prompts "
-             f"(lengths {', '.join(map(str, doc['prompts']))}) each followed by {doc['decode_steps']} teacher-forced decode "
-             "steps (runtime/accuracy.py). Random weights: top-1 margins are tiny, so read KL and the logit errors first.",
-             "", "| engine | max rel logit err | mean rel | KL mean (nats) | KL max | top-1 | greedy match |",
-             "|---|---|---|---|---|---|---|"]
-    for name, r in doc["results"].items():
-        lines.append(f"| {name} | {r['max_rel']:.3g} | {r['mean_rel']:.3g} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | "
-                     f"{r['top1']:.0%} | {r['greedy_match']:.0%} |")
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
