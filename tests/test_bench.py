@@ -45,3 +45,67 @@ def test_rounds_keep_each_workloads_median_round():
 def test_rounds_alternate_the_engine_order():
     from benchmarks.__main__ import round_order
     assert [round_order(["a", "b", "c"], r) for r in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
+def _doc(*rows):
+    return {"results": [{"engine": e, "workload": w, "median_ms": m, **extra} for e, w, m, extra in rows]}
+
+
+def _target(doc, text):
+    from benchmarks.report import targets
+    return next(line for line in targets(doc) if text in line)
+
+
+def test_a_time_under_its_floor_says_the_floor_is_invalid():
+    doc = _doc(("ort-ort", "lm/decode@128", 9.0, {"floor_ms": 10.0}))
+    assert "0.90x (floor invalid (measured faster than the floor" in _target(doc, "lm/decode@128 vs its bandwidth floor")
+    doc = _doc(("ort-ort", "lm/decode@128", 12.0, {"floor_ms": 10.0}))
+    assert _target(doc, "lm/decode@128 vs its bandwidth floor").endswith("1.20x (holds)")
+
+
+def test_a_missing_engine_is_not_measured_and_a_slow_one_missed():
+    doc = _doc(("ort-ort", "lm/decode@1024", 10.0, {}), ("genai-fp32", "lm/decode@1024", 11.0, {}))
+    assert _target(doc, "ort-ort-int4 lm/decode@1024 vs genai-int4").endswith(": not measured")
+    assert _target(doc, "ort-ort lm/decode@1024 vs genai-fp32 (want >= 1.2x").endswith("1.10x (missed)")
+
+
+def test_the_report_names_an_engine_that_ran_another_window():
+    from benchmarks.report import window_differences
+    doc = _doc(("ort-raw", "decode@128", 1.0, {"window": 256}), ("ort-onnxscript", "decode@128", 3.0, {"window": 2048}),
+               ("ort-npu-single", "decode@128", 2.0, {"window": 2048}), ("torch-sdpa", "decode@128", 4.0, {}))
+    assert window_differences(doc) == ["- ort-onnxscript decode@128: 2048 rows, where ort-raw's ladder ran 256"]
+
+
+def test_onnxscript_runs_the_raw_graphs_ladder(tmp_path):
+    # optimize_for_ort's graphs are made per window, so ort-onnxscript attends over the rows ort-raw does
+    import numpy as np
+    from benchmarks.__main__ import prepare
+    from benchmarks.engines import Engine
+    from benchmarks.workloads import Workload
+    from models import preset
+    config = preset("tiny").replace(capacity=512)  # ladder 256, 512
+    folders = prepare(config, "attention", tmp_path / "a", ["ort-raw", "ort-onnxscript"])
+    raw, rewritten = (Engine(e, config, folders, 1) for e in ("ort-raw", "ort-onnxscript"))
+    for p0, window in ((100, 256), (400, 512)):
+        w = Workload("attention", "decode", p0)
+        outs = [np.asarray(e.runner(w)()[0]) for e in (raw, rewritten)]
+        assert raw.window(w) == rewritten.window(w) == window
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+def test_genai_builds_are_rebuilt_when_the_weights_change(tmp_path, monkeypatch):
+    import benchmarks.__main__ as bench
+    from models import build_model, preset
+    built = []
+
+    def fake_build(model, folder, engines):
+        built.append(list(engines))
+        for e in engines:
+            (folder / e).mkdir(exist_ok=True)
+            (folder / e / "genai_config.json").write_text("{}")
+    monkeypatch.setattr(bench, "build_genai", fake_build)
+    config = preset("tiny")
+    bench.prepare_genai(build_model(config, "lm", seed=0), tmp_path, ["genai-fp32"])
+    bench.prepare_genai(build_model(config, "lm", seed=0), tmp_path, ["genai-fp32"])  # same weights: reused
+    bench.prepare_genai(build_model(config, "lm", seed=1), tmp_path, ["genai-fp32"])  # files exist, weights differ
+    assert built == [["genai-fp32"], ["genai-fp32"]]
