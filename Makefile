@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 JOBS ?= 2
 
-.PHONY: setup export handoff test fuzz bench bench-quick fusion-table clean
+.PHONY: setup export handoff test fuzz bench bench-quick report fusion-table clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ bench: setup
 
 bench-quick: setup
 	$(PY) -m benchmarks --quick
+
+# README.md, docs/ and benchmarks/*.md from the committed result files (benchmarks/*.json)
+report: setup
+	$(PY) -m benchmarks.report
 
 fusion-table: setup
 	$(PY) -m corpus

@@ -233,7 +233,7 @@ def headline(data: dict) -> list[str]:
     for engine, target in HEADLINE.items():
         times = [_median(bench, engine, w) for w in HEADLINE_WORKLOADS]
         a = acc.get(target)
-        quality = [f"{a['kl_mean']:.2e}", f"{a['top1']:.0%}"] if a else ["", ""]
+        quality = [f"{a['kl_mean']:.2e}", f"{a['top1']:.0%}"] if a else ["not measured"] * 2
         lines.append(f"| {engine} | " + " | ".join(_ms(t) if t else "not measured" for t in times) + " | "
                      + " | ".join(quality) + " |")
     return lines
