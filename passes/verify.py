@@ -4,10 +4,14 @@ The run check: a graph is written only once it loads and runs on random feeds. -
 the graph before and after the passes, run on the same random feeds, outputs compared.
 
 Feeds respect each input's shape and dtype (a symbolic dim gets a small sample value, the
-same for every dim of that name); integer inputs get consecutive positions 0..T-1 per row
-(what every index-like input in a step graph expects). Outputs named present_* are
+same for every dim of that name); integer inputs get consecutive positions p0..p0+T-1 per row
+(what every index-like input in a step graph expects), p0 mid-cache when there is a cache
+(past_* [B, H, C, D]): a step at p0 = 0 reads no earlier row, and rotates by the identity,
+so a dropped RoPE or a shifted mask would pass there. Outputs named present_* are
 compared on the rows up to the last position written, since the step contract leaves later
-rows unspecified (fused cache writes need not keep them).
+rows unspecified (fused cache writes need not keep them). Each output is held to its dtype's
+tolerance, or to a given budget (a quantized target's, export/quantize.py), by the one rule
+of runtime/metrics.py; an output named `logits` also reports KL and top-1.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import re
 import numpy as np
 import onnxruntime as ort
 
-from runtime.metrics import close, error
+from runtime.metrics import Budget, error, logit_error, why_not
 
 from .fix_dims import dim_value
 
@@ -40,12 +44,15 @@ def _sample_shape(shape) -> list[int]:
 def random_feeds(session: ort.InferenceSession, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     feeds = {}
+    shapes = {arg.name: _sample_shape(arg.shape) for arg in session.get_inputs()}
+    cache = min((s[2] for n, s in shapes.items() if n.startswith("past") and len(s) == 4), default=0)
     for arg in session.get_inputs():
         if arg.type not in _NUMPY:
             raise VerifyError(f"input {arg.name}: {arg.type}; expected a tensor input to make feeds for")
-        dtype, shape = _NUMPY[arg.type], _sample_shape(arg.shape)
+        dtype, shape = _NUMPY[arg.type], shapes[arg.name]
         if np.issubdtype(dtype, np.integer):
-            feeds[arg.name] = np.broadcast_to(np.arange(shape[-1] if shape else 1, dtype=dtype), shape).copy()
+            t = shape[-1] if shape else 1
+            feeds[arg.name] = np.broadcast_to(np.arange(t, dtype=dtype) + max(cache - t, 0) // 2, shape).copy()
         elif dtype == np.bool_:
             feeds[arg.name] = rng.random(shape) < 0.5
         else:
@@ -84,8 +91,9 @@ def _first_line(e: Exception) -> str:
     return (lines[0] if lines else type(e).__name__)[:240]
 
 
-def compare(before, after, seed: int = 0) -> dict:
-    """Max error per output of `after` against `before` (paths or serialized models)."""
+def compare(before, after, seed: int = 0, budget: Budget | None = None) -> dict:
+    """Per output of `after` against `before` (paths or serialized models): its error, what it was held to
+    (`budget`, else its dtype's tolerance), `ok`, and `why` not."""
     s0, s1 = _session(before), _session(after)
     feeds = random_feeds(s1, seed)  # the rewritten graph's shapes: its dims may have been pinned
     names = [o.name for o in s0.get_outputs()]
@@ -98,6 +106,17 @@ def compare(before, after, seed: int = 0) -> dict:
     for name, r, g in zip(names, ref, got):
         if name.startswith("present") and last is not None and r.ndim >= 3:
             r, g = r[:, :, : last + 1], g[:, :, : last + 1]
-        err, tol = error(g, r), TOLERANCE.get(r.dtype, 0.0)
-        results[name] = {**err, "tolerance": tol, "ok": close(err, tol) or bool(np.array_equal(r, g))}
+        held = budget or Budget(TOLERANCE.get(r.dtype, 0.0))
+        err = (logit_error if name == "logits" else error)(*_common_nans_zeroed(g, r))
+        why = why_not(err, held)
+        results[name] = {**err, "tolerance": held.max_rel, "ok": why is None, "why": why}
     return results
+
+
+def _common_nans_zeroed(got: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NaN where the original graph has NaN too is not the rewrite's fault (its input's): those entries compare as
+    equal; a NaN the original does not have stays, and fails."""
+    if got.shape != ref.shape or not np.issubdtype(ref.dtype, np.floating):
+        return got, ref
+    both = np.isnan(got) & np.isnan(ref)
+    return np.where(both, 0, got), np.where(both, 0, ref)

@@ -15,8 +15,9 @@ from models.contract import example_inputs, input_names, output_names
 from models.lm import greedy
 
 from .drivers import Driver, HostCacheGenerator
-from .metrics import TOLERANCE, close, error, worst
+from .metrics import TOLERANCE, close, error, logit_error, worst
 from .session import StepSession
+
 
 def within(err: dict, dtype: str) -> bool:
     return close(err, TOLERANCE[dtype])
@@ -27,14 +28,17 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def step_parity(model, runner: StepSession | HostCacheGenerator, config: AttentionConfig, seq_len: int, p0: int,
-                seed: int = 0, kind: str = "attention") -> dict:
-    """One step at positions p0..p0+T-1 over random caches; the output (the LM's logits) and the written cache rows.
+                seed: int = 0, kind: str = "attention", prefix: bool = False) -> dict:
+    """One step at positions p0..p0+T-1; the output (the LM's logits: KL and top-1 beside the normwise error) and
+    the written cache rows.
 
-    `runner` is a step-contract session, or the host-cache driver of an `npu` graph (its
-    caches set to the same random rows). Rows after the last written one are unspecified by
-    the contract, so they are not compared.
+    The caches are random, or with `prefix` hold before p0 eager's own K/V for a random prefix (prefilled_inputs),
+    the ranges a quantized graph was calibrated on. `runner` is a step-contract session, or the host-cache driver
+    of an `npu` graph (its caches set to the same rows). Rows after the last written one are unspecified by the
+    contract, so they are not compared.
     """
-    args = example_inputs(config, seq_len, p0, seed, kind)
+    args = prefilled_inputs(model, config, seq_len, p0, seed, kind) if prefix else \
+        example_inputs(config, seq_len, p0, seed, kind)
     names, outs = input_names(config, kind), output_names(config, kind)
     if isinstance(runner, HostCacheGenerator):
         for name, a in zip(names[2:], args[2:]):
@@ -46,9 +50,23 @@ def step_parity(model, runner: StepSession | HostCacheGenerator, config: Attenti
     with torch.no_grad():
         ref = reference_model(model)(*[a.float() if a.is_floating_point() else a for a in args])
     live = p0 + seq_len
-    errs = {outs[0]: error(got[outs[0]], ref[0].numpy())}
+    errs = {outs[0]: (logit_error if kind == "lm" else error)(got[outs[0]], ref[0].numpy())}
     errs |= {n: error(got[n][:, :, :live], r[:, :, :live].numpy()) for n, r in zip(outs[1:], ref[1:])}
     return {"p0": p0, **worst(list(errs.values())), "per_output": errs}
+
+
+def prefilled_inputs(model, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
+                     kind: str = "attention") -> tuple:
+    """example_inputs, but the cache rows before p0 are what eager PyTorch writes reading a random prefix of p0
+    positions (real K/V rows, in the ranges a real sequence gives); later rows stay random (the step may not read them)."""
+    args = example_inputs(config, seq_len, p0, seed, kind)
+    if p0 == 0:
+        return args
+    prefix = example_inputs(config, p0, 0, seed + 1, kind)  # from position 0, so it reads only the rows it writes
+    with torch.no_grad():
+        written = reference_model(model)(*[a.float() if a.is_floating_point() else a for a in prefix])[1:]
+    caches = [torch.cat([w[:, :, :p0].to(c.dtype), c[:, :, p0:]], dim=2) for w, c in zip(written, args[2:])]
+    return (*args[:2], *caches)
 
 
 def sequence_parity(model, generator: Driver, config: AttentionConfig, prompt_len: int, decode_steps: int,
@@ -73,13 +91,13 @@ def token_parity(model, driver: Driver, config: AttentionConfig, prompt_len: int
     """The whole model: a prompt fed in chunks, then decode steps on eager PyTorch's own greedy tokens (teacher
     forcing, so one near-tie cannot derail the rest), against the eager full-sequence forward at every step.
 
-    Reports the logits' error over the steps and how often the runtime's top-1 token is eager's greedy one.
+    Reports the logits' error over the steps: normwise, KL, and top-1 (how often the runtime's top-1 token is
+    eager's greedy one, also under its older name `top1_agreement`).
     """
     prompt = torch.randint(0, config.vocab_size, (config.batch, prompt_len), generator=torch.Generator().manual_seed(seed))
     tokens, ref = greedy(reference_model(model), prompt, decode_steps + 1)
     driver.reset()
     got = [driver.feed(prompt.numpy())[:, -1]]
     got += [driver.decode(tokens[:, i:i + 1].numpy())[:, -1] for i in range(decode_steps)]
-    got, ref = np.stack(got, axis=1), ref.numpy()
-    top1 = float((got.argmax(-1) == tokens.numpy()).mean())
-    return {"prompt_len": prompt_len, "decode_steps": decode_steps, **error(got, ref), "top1_agreement": top1}
+    err = logit_error(np.stack(got, axis=1), ref.numpy())  # eager's greedy tokens are its logits' argmax: top1 is theirs
+    return {"prompt_len": prompt_len, "decode_steps": decode_steps, **err, "top1_agreement": err["top1"]}

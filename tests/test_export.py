@@ -90,8 +90,8 @@ def test_large_weights_go_to_external_data(tmp_path, monkeypatch):
 
 def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
     """A parity failure after the graphs were written: a new folder disappears, an old one is untouched."""
-    monkeypatch.setattr(export.exporter, "within", lambda err, dtype: False)
-    with pytest.raises(ParityError, match="prefill.raw.onnx: max error"):
+    monkeypatch.setattr(export.exporter, "why_not", lambda err, budget: "planted")
+    with pytest.raises(ParityError, match="prefill.raw.onnx: step parity against fp32 eager PyTorch: planted; expected"):
         export_model(preset("tiny"), tmp_path / "new", log=lambda *_: None)
     assert not (tmp_path / "new").exists()
     old = tmp_path / "old"

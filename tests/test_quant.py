@@ -34,6 +34,15 @@ def _ops(path: Path) -> dict:
     return ops
 
 
+def test_quantized_steps_are_checked_on_prefilled_caches(exported):
+    """Every quantized step is within its scheme's budget, measured on caches eager filled from a real prefix."""
+    _, m = exported
+    for g in (g for g in m["graphs"] if g.get("quantized")):
+        budget = SCHEMES[g["target"].partition("-")[2]].budget
+        assert g["parity"]["tolerance"] == budget.max_rel and g["parity"]["max_rel"] <= budget.max_rel, g["parity"]
+        assert g["parity"]["finite"] and 0 < g["parity"]["kl_mean"], g["parity"]  # the logits' KL is reported
+
+
 def test_weight_only_graphs_keep_the_fusions(exported):
     out, m = exported
     layers = m["config"]["num_layers"]
@@ -90,7 +99,8 @@ def test_accuracy_is_measured_and_within_budget(exported):
     assert set(q) == {"ort-int4", "ort-int8", "npu-w8a16"}
     for target, entry in q.items():
         a = entry["accuracy"]
-        assert a["max_rel"] <= entry["budget_max_rel"], target
+        assert a["max_rel"] <= entry["budget_max_rel"] < 1 and a["kl_mean"] <= entry["budget_kl_mean"], target
+        assert a["top1"] >= entry["budget_top1"], target
         assert 0 < a["kl_mean"] and 0 <= a["top1"] <= 1 and len(a["prompts"]) == accuracy.PROMPTS
     # more bits, closer to fp32: a scheme mix-up (int8 graphs written as int4) would break this
     assert q["ort-int8"]["accuracy"]["kl_mean"] < q["ort-int4"]["accuracy"]["kl_mean"]

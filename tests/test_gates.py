@@ -1,0 +1,384 @@
+"""Every gate can fail: each is fed a deliberately broken output or graph and must refuse it.
+
+Gates: the error rule itself (runtime/metrics.py), export step and sequence parity, the quantized steps, the quantized
+accuracy on the prompt set (export/exporter.py), and `python -m passes --verify`. A test's name says which gate and
+which planted fault; its assertion names the measure that trips (max_rel, non-finite, top-1, shape).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+
+import export.exporter as exporter
+import passes.__main__ as passes_cli
+from export.exporter import AccuracyError, ParityError
+from export.quantize import SCHEMES, budget, spell, step_budget
+from models import build_model, preset
+from passes.verify import compare
+from runtime import accuracy
+from runtime.metrics import TOLERANCE, error, logit_error, why_not
+from runtime.parity import reference_model
+
+# Every budget in use: the float tolerances, and each scheme's, whole (the accuracy prompt set) and per step.
+BUDGETS = {f"float-{d}": budget("ort", t) for d, t in TOLERANCE.items()} | \
+          {f"{s}": SCHEMES[s].budget for s in SCHEMES} | {f"{s}-step": step_budget(SCHEMES[s].budget) for s in SCHEMES}
+
+
+# -- broken outputs (numpy) ----------------------------------------------------------------------------------------
+
+def _nan_at_one(x):
+    y = x.copy()
+    y.flat[y.size // 2] = np.nan
+    return y
+
+
+def _inf_at_one(x):
+    y = x.copy()
+    y.flat[0] = np.inf
+    return y
+
+
+BROKEN = {  # fault -> (the broken output, the measure it trips)
+    "zeros": (np.zeros_like, "max_rel"),
+    "nan": (_nan_at_one, "non-finite"),
+    "inf": (_inf_at_one, "non-finite"),
+    "shuffled": (lambda x: np.random.default_rng(0).permutation(x.reshape(-1)).reshape(x.shape), "max_rel"),
+    "constant": (lambda x: np.full_like(x, x.mean()), "max_rel"),
+    "noise": (lambda x: np.random.default_rng(1).standard_normal(x.shape).astype(x.dtype) * x.std(), "max_rel"),
+}
+
+
+@pytest.fixture(scope="module")
+def eager_outputs():
+    """Real references: the tiny LM's logits [1, 24, V] and the tiny block's hidden states [1, 24, E]."""
+    config = preset("tiny")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        logits = reference_model(build_model(config, "lm", 0)).forward_full(
+            torch.randint(0, config.vocab_size, (1, 24), generator=gen))
+        hidden = reference_model(build_model(config, "block", 0)).forward_full(torch.randn(1, 24, config.hidden_size,
+                                                                                         generator=gen))
+    return {"logits": (logits.numpy(), logit_error), "hidden": (hidden.numpy(), error)}
+
+
+@pytest.mark.parametrize("held", BUDGETS)
+@pytest.mark.parametrize("fault", BROKEN)
+@pytest.mark.parametrize("output", ["logits", "hidden"])
+def test_metrics_rule_refuses_broken_output(eager_outputs, output, fault, held):
+    ref, measure = eager_outputs[output]
+    broken, trips = BROKEN[fault]
+    why = why_not(measure(broken(ref), ref), BUDGETS[held])
+    assert why is not None and why.startswith(trips), (output, fault, held, why)
+    assert why_not(measure(ref.copy(), ref), BUDGETS[held]) is None  # and the reference itself passes
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("fault", ["zeros", "shuffled", "constant", "noise"])
+def test_metrics_distribution_measures_refuse_broken_logits(eager_outputs, fault, scheme):
+    """KL and top-1 refuse a broken output on their own too, beside max_rel."""
+    ref, _ = eager_outputs["logits"]
+    err, held = logit_error(BROKEN[fault][0](ref), ref), SCHEMES[scheme].budget
+    assert err["kl_mean"] > held.kl_mean and err["top1"] < held.top1, err
+
+
+# -- broken graphs (onnx_ir, in place) -----------------------------------------------------------------------------
+
+def _constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, const_value=ir.tensor(array))
+    graph.register_initializer(value)
+    return value
+
+
+def _append(graph: ir.Graph, op: str, inputs: list[ir.Value], like: ir.Value) -> ir.Value:
+    """A new node `op` after the graph's nodes; its output typed and shaped like `like` (the checks want them static)."""
+    node = ir.Node("", op, inputs, num_outputs=1)
+    graph.append(node)
+    out = node.outputs[0]
+    out.type, out.shape = like.type, like.shape
+    return out
+
+
+def _replace_output(graph: ir.Graph, i: int, op: str, operand: np.ndarray) -> None:
+    """The i-th graph output becomes `op`(it, operand), under its old name."""
+    old = graph.outputs[i]
+    new = _append(graph, op, [old, _constant(graph, f"planted_{op}", operand)], old)
+    name, old.name = old.name, f"{old.name}_before_fault"
+    new.name, graph.outputs[i] = name, new
+
+
+def zero_output(model: ir.Model) -> None:
+    """The output (hidden states or logits) times 0."""
+    _replace_output(model.graph, 0, "Mul", np.zeros((), np.float32))
+
+
+def nan_output(model: ir.Model) -> None:
+    """One NaN in the output."""
+    out = model.graph.outputs[0]
+    operand = np.zeros([d for d in out.shape], np.float32)
+    operand.flat[operand.size // 2] = np.nan
+    _replace_output(model.graph, 0, "Add", operand)
+
+
+def swap_kv(model: ir.Model) -> None:
+    """present_key and present_value swapped (same shape, so nothing but the values can tell)."""
+    g = model.graph
+    key, value = g.outputs[1], g.outputs[2]
+    names = key.name, value.name
+    key.name = "planted_swap"
+    value.name, key.name = names
+    g.outputs[1], g.outputs[2] = value, key
+
+
+def mask_off_by_one(model: ir.Model) -> None:
+    """The causal mask (key position <= query position) compares against the query position + 1: each query sees
+    the row after its own."""
+    node = next(n for n in model.graph if n.op_type == "LessOrEqual")
+    query = node.inputs[1]
+    one = _constant(model.graph, "planted_one", np.ones((), query.dtype.numpy()))
+    shifted = ir.Node("", "Add", [query, one], num_outputs=1)
+    model.graph.insert_before(node, shifted)
+    shifted.outputs[0].type, shifted.outputs[0].shape = query.type, query.shape
+    node.replace_input_with(1, shifted.outputs[0])
+
+
+def drop_rope(model: ir.Model) -> None:
+    """Every RotaryEmbedding node removed: Q and K go on unrotated."""
+    for node in [n for n in model.graph if n.op_type == "RotaryEmbedding"]:
+        ir.convenience.replace_all_uses_with(node.outputs[0], node.inputs[0])
+        model.graph.remove(node, safe=True)
+
+
+GRAPH_FAULTS = {  # fault -> (how it is planted, the measure it trips)
+    "zero_output": (zero_output, "max_rel 1 >"),
+    "nan_output": (nan_output, "non-finite"),
+    "swapped_kv": (swap_kv, "max_rel"),
+    "mask_off_by_one": (mask_off_by_one, "max_rel"),
+    "dropped_rope": (drop_rope, "max_rel"),
+}
+
+
+def _plant_in_export(monkeypatch, fault, target: str) -> None:
+    """The exporter's pipeline returns `target`'s graphs with `fault` planted (before they are saved and checked)."""
+    real = exporter._pipeline
+
+    def planted(exported, t):
+        graph, report = real(exported, t)
+        if t == target:
+            fault(graph)
+        return graph, report
+    monkeypatch.setattr(exporter, "_pipeline", planted)
+
+
+# -- export parity: every step of every target against eager PyTorch -----------------------------------------------
+
+@pytest.mark.parametrize("fault, target", [("zero_output", "raw"), ("zero_output", "npu"), ("nan_output", "raw"),
+                                           ("swapped_kv", "raw"), ("mask_off_by_one", "raw"), ("dropped_rope", "onnx")])
+def test_export_step_parity_refuses(tmp_path, monkeypatch, fault, target):
+    plant, trips = GRAPH_FAULTS[fault]
+    _plant_in_export(monkeypatch, plant, target)
+    with pytest.raises(ParityError, match=f"prefill.{target}.onnx: step parity against fp32 eager PyTorch: {trips}"):
+        exporter.export_model(preset("tiny"), tmp_path / "out", targets=(target,), log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_sequence_parity_refuses_a_stale_cache(tmp_path, monkeypatch):
+    """Graphs that pass every step, run by a driver whose cache loses each step's rows: the sequence check refuses."""
+    real = exporter._driver
+
+    def stale(*args):
+        driver = real(*args)
+        step = driver._step
+
+        def forgetful(session, x, p0):
+            out = step(session, x, p0)
+            driver._past, driver._present = driver._present, driver._past  # the next step reads the old cache
+            return out
+        driver._step = forgetful
+        return driver
+    monkeypatch.setattr(exporter, "_driver", stale)
+    with pytest.raises(ParityError, match="raw: sequence parity .* against fp32 eager PyTorch: max_rel"):
+        exporter.export_model(preset("tiny"), tmp_path / "out", targets=("raw",), log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+
+
+# -- quantized targets: their steps (on prefilled caches) and their accuracy, each against the scheme's budget ------
+
+@pytest.mark.parametrize("fault", ["zero_output", "swapped_kv"])
+def test_quantized_step_parity_refuses_at_the_int4_budget(tmp_path, monkeypatch, fault):
+    """int4's is the loosest budget; its decode step was once recorded, not checked."""
+    plant, trips = GRAPH_FAULTS[fault]
+    _plant_in_export(monkeypatch, plant, "ort-int4")
+    with pytest.raises(ParityError, match=f"decode.ort-int4.onnx: step parity against fp32 eager PyTorch: {trips}.* "
+                                          f"expected max_rel <= {SCHEMES['int4'].budget.max_rel}$"):
+        exporter.export_model(preset("tiny"), tmp_path / "out", kind="lm", targets=("ort",), quant=("int4",),
+                              log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+
+
+class Faulty:
+    """A driver (reset, feed, decode -> logits [B, 1, V]) whose logits are `fault`(the real ones)."""
+
+    def __init__(self, driver, fault):
+        self.driver, self.fault = driver, fault
+
+    def reset(self):
+        self.driver.reset()
+
+    def feed(self, ids):
+        return self.fault(self.driver.feed(ids))
+
+    def decode(self, ids):
+        return self.fault(self.driver.decode(ids))
+
+
+def test_quantized_accuracy_refuses_zero_logits(tmp_path, monkeypatch):
+    """Graphs that pass their steps and sequences, measured through a driver that zeroes the logits (one prompt,
+    to keep it quick): the accuracy gate refuses, naming the target, the measure and the budget."""
+    real_measure, real_prompts = accuracy.measure, accuracy.prompt_set
+    monkeypatch.setattr(accuracy, "prompt_set", lambda config: real_prompts(config)[:1])
+    monkeypatch.setattr(accuracy, "measure", lambda driver, *args: real_measure(Faulty(driver, np.zeros_like), *args))
+    with pytest.raises(AccuracyError, match=rf"^ort-int4: accuracy on the prompt set against fp32 eager PyTorch: "
+                                            rf"max_rel 1 > 0.6; expected {spell(SCHEMES['int4'].budget)}$"):
+        exporter.export_model(preset("tiny"), tmp_path / "out", kind="lm", targets=("ort",), quant=("int4",),
+                              log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+
+
+class Eager:
+    """Eager PyTorch as a driver: every call a full forward over the ids so far (exact, and cheap at tiny)."""
+
+    def __init__(self, model):
+        self.model, self.ids = model, None
+
+    def reset(self):
+        self.ids = None
+
+    def feed(self, ids):
+        ids = torch.from_numpy(np.asarray(ids))
+        self.ids = ids if self.ids is None else torch.cat([self.ids, ids], dim=1)
+        with torch.no_grad():
+            return self.model.forward_full(self.ids)[:, -1:].numpy()
+
+    decode = feed
+
+
+def _swap_top2(logits):
+    """Each row's best and runner-up logits swapped: a small change in max_rel and KL (random weights: near-ties),
+    every top-1 token wrong."""
+    out = logits.copy()
+    order = np.argsort(out, axis=-1)
+    best, second = order[..., -1:], order[..., -2:-1]
+    a, b = np.take_along_axis(out, best, -1), np.take_along_axis(out, second, -1)
+    np.put_along_axis(out, best, b, -1)
+    np.put_along_axis(out, second, a, -1)
+    return out
+
+
+ACCURACY_FAULTS = {  # fault -> (the logits it gives, the measure that trips at every scheme's budget)
+    "zeros": (np.zeros_like, "max_rel"),
+    "nan": (lambda x: np.full_like(x, np.nan), "non-finite"),
+    "shuffled": (BROKEN["shuffled"][0], "max_rel"),
+}
+
+
+@pytest.fixture(scope="module")
+def prompt_set():
+    config = preset("tiny")
+    model = reference_model(build_model(config, "lm", 0))
+    prompts = accuracy.prompt_set(config)[:2]
+    return model, prompts, accuracy.references(model, prompts)
+
+
+@pytest.mark.parametrize("fault", ACCURACY_FAULTS)
+def test_quantized_accuracy_measure_refuses(prompt_set, fault):
+    model, prompts, refs = prompt_set
+    assert accuracy.measure(Eager(model), prompts, refs)["top1"] == 1  # the unbroken driver is exact
+    broken, trips = ACCURACY_FAULTS[fault]
+    measured = accuracy.measure(Faulty(Eager(model), broken), prompts, refs)
+    for scheme in SCHEMES:
+        why = why_not(measured, SCHEMES[scheme].budget)
+        assert why is not None and why.startswith(trips), (scheme, why, measured)
+
+
+def test_quantized_accuracy_top1_refuses_swapped_top2_at_int4(prompt_set):
+    """Every token wrong, yet within int4's max_rel and KL (random weights: the top two are near-ties): top-1 trips."""
+    model, prompts, refs = prompt_set
+    measured, held = accuracy.measure(Faulty(Eager(model), _swap_top2), prompts, refs), SCHEMES["int4"].budget
+    assert measured["max_rel"] <= held.max_rel and measured["kl_mean"] <= held.kl_mean
+    assert why_not(measured, held) == f"top-1 agreement 0% < {held.top1:.0%}"
+
+
+# -- python -m passes --verify: the rewritten graph against the graph before the passes -----------------------------
+
+def _plant_in_cli(monkeypatch, fault) -> None:
+    """The CLI's pipeline leaves `fault` planted in the graph it rewrote."""
+    real = passes_cli.run_pipeline
+
+    def planted(model, *args, **kwargs):
+        report = real(model, *args, **kwargs)
+        fault(model)
+        return report
+    monkeypatch.setattr(passes_cli, "run_pipeline", planted)
+
+
+@pytest.mark.parametrize("fault", GRAPH_FAULTS)
+def test_passes_verify_refuses(exported, tmp_path, monkeypatch, capsys, fault):
+    plant, trips = GRAPH_FAULTS[fault]
+    _plant_in_cli(monkeypatch, plant)
+    out = tmp_path / "out.onnx"
+    assert passes_cli.main([str(exported().folder / "decode.raw.onnx"), str(out), "--target", "onnx", "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: verify: ") and f" {trips}" in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def lm_decode(tmp_path_factory):
+    """The tiny LM's decode step as torch.onnx writes it (no passes yet)."""
+    from export.torch_export import to_onnx
+    config = preset("tiny")
+    path = tmp_path_factory.mktemp("lm") / "decode.onnx"
+    ir.save(to_onnx(build_model(config, "lm", 0), config, 1, kind="lm"), path)
+    return path
+
+
+def test_passes_verify_holds_int4_to_its_budget(lm_decode, tmp_path, monkeypatch, capsys):
+    """ort-int4 --verify passes within the scheme's step budget, and refuses zeroed logits against that budget."""
+    assert passes_cli.main([str(lm_decode), str(tmp_path / "q.onnx"), "--target", "ort-int4", "--verify"]) == 0
+    assert "verify: logits max abs" in capsys.readouterr().out
+    _plant_in_cli(monkeypatch, zero_output)
+    assert passes_cli.main([str(lm_decode), str(tmp_path / "z.onnx"), "--target", "ort-int4", "--verify"]) == 1
+    assert capsys.readouterr().err == (f"error: verify: logits max_rel 1 > {SCHEMES['int4'].budget.max_rel:g} against "
+                                       f"the graph before the passes; {tmp_path / 'z.onnx'} not written\n")
+
+
+def test_passes_verify_compare_refuses_a_shape_change(exported, tmp_path):
+    """An output of another shape is reported, not a crash."""
+    raw = exported().folder / "decode.raw.onnx"
+    model = ir.load(raw)
+    sliced = _append(model.graph, "Slice", [model.graph.outputs[0], *(_constant(model.graph, n, np.array(v)) for n, v in
+                                             (("starts", [0]), ("ends", [1]), ("axes", [-1])))], model.graph.outputs[0])
+    sliced.shape = ir.Shape([*model.graph.outputs[0].shape[:-1], 1])
+    name, model.graph.outputs[0].name = model.graph.outputs[0].name, "unsliced"
+    sliced.name, model.graph.outputs[0] = name, sliced
+    result = compare(str(raw), ir.serde.serialize_model(model).SerializeToString())["output"]
+    assert not result["ok"] and result["why"].startswith("shape (1, 1, 1); expected (1, 1, 64)"), result
+
+
+def test_passes_verify_compare_lets_the_originals_own_nan_through(tmp_path):
+    """NaN the graph before the passes has too (sqrt of a negative input) is not the rewrite's fault; a NaN it adds is."""
+    import onnx
+    import onnx.helper as oh
+    x = oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])
+    y = oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])
+
+    def graph(*nodes):
+        model = oh.make_model(oh.make_graph(list(nodes), "g", [x], [y]), opset_imports=[oh.make_opsetid("", 20)])
+        model.ir_version = 10  # what this onnxruntime reads
+        return model.SerializeToString()
+    before = graph(oh.make_node("Sqrt", ["x"], ["y"]))
+    assert compare(before, graph(oh.make_node("Sqrt", ["x"], ["s"]), oh.make_node("Identity", ["s"], ["y"])))["y"]["ok"]
+    added = compare(graph(oh.make_node("Abs", ["x"], ["a"]), oh.make_node("Sqrt", ["a"], ["y"])), before)["y"]
+    assert not added["ok"] and added["why"].startswith("non-finite"), added
