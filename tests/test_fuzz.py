@@ -134,10 +134,10 @@ def judge(before, after, target: str, seed: int = 0) -> dict[str, str]:
     except VerifyError as e:
         raise Skip(str(e)) from None
     bad = [k for k, r in results.items() if not r["ok"]]
-    if any(not results[k]["finite"] for k in bad):  # compare() holds NaN in the input graph's outputs too
+    if any(not results[k]["finite"] for k in bad):  # compare() leaves out only NaN both graphs compute
         recheck = _rerun(before, after, seed)
         bad = [k for k in bad if results[k]["finite"] or differs(*recheck[k], results[k]["tolerance"])]
-    return {k: why_not(results[k], results[k]["tolerance"]) or "differs" for k in bad}
+    return {k: results[k].get("why") or why_not(results[k], results[k]["tolerance"]) or "differs" for k in bad}
 
 
 def _rerun(before: bytes, after: bytes, seed: int) -> dict:
@@ -306,9 +306,10 @@ def test_fuzz_the_passes(seeds, tmp_path, capsys):
     written = counts["compared"] + counts["skipped"]
     with capsys.disabled():
         print(f"{CASES} cases (FUZZ_SEED={SEED}): {written} rewritten, {counts['compared']} compared with their "
-              f"input in onnxruntime ({counts['npu compared']} npu through the host-cache feeds), {counts['skipped']} not "
-              f"comparable (the input does not run; {counts['npu skipped']} of them npu, whose input may also lack "
-              f"the step's interface), {counts['known crash']} not run (a known crash: {', '.join(KNOWN_CRASHES)})")
+              f"input in onnxruntime ({counts['npu compared']} npu through the host-cache feeds), "
+              f"{counts['skipped']} not comparable (the input does not run; {counts['npu skipped']} of them npu, "
+              f"whose input may also lack the step's interface), {counts['known crash']} not run (a known crash: "
+              f"{', '.join(KNOWN_CRASHES)})")
     assert counts["compared"] > counts["npu compared"] > 0
 
 
