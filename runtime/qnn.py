@@ -9,7 +9,9 @@ this machine (not on a phone). What the hand-off learned from it:
   RoPE tables gathered by int32 positions fail otherwise, `could not create op: q::Gather`), so
   the HTP runs our fp32 graphs in fp16 and they are judged at the fp16 tolerance;
 - `ep.context_enable` writes the compiled graph as an `EPContext` model, what an engineer deploys;
-- the op trace (`enable_framework_op_trace`) says which QNN op each node became.
+- the op trace (`enable_framework_op_trace`) says which QNN op each node became, and which
+  nodes it could not take: onnxruntime's error for a graph with such nodes names none of them,
+  so `session` compiles it again with CPU fallback allowed and names them from the trace.
 
 No torch here: the bundle verifier uses it with numpy and onnxruntime alone.
 """
@@ -28,6 +30,7 @@ SOC_NAMES = {36: "SM8450 (Snapdragon 8 Gen 1, HTP v69)", 43: "SM8550 (Snapdragon
              87: "SM8850 (Snapdragon 8 Elite Gen 5, HTP v81)"}
 SOCS = (43, 57, 69)
 TOLERANCE = 1e-2  # what the HTP runs in: fp16
+FALLBACK = "fallback to CPU EP has been explicitly disabled"  # onnxruntime's words for nodes the HTP did not take
 _registered = []
 
 
@@ -52,23 +55,48 @@ def _devices():
     return [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
 
 
+class Refused(RuntimeError):
+    """A graph the HTP cannot take whole, with the ops it refuses named (onnxruntime's own message names none)."""
+
+
 def session(path: str | Path, soc: int, context: Path | None = None, trace: Path | None = None,
             fp16: bool = True) -> ort.InferenceSession:
     """The graph (or a compiled EPContext model) on the HTP of SoC `soc`, every node on it; `context` writes the
     compiled model there, `trace` the op trace into that folder. `fp16`: run float ops in fp16 (what float graphs
-    need); a quantized (QDQ) graph compiles without it."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # a graph the HTP refuses surfaces as the exception, not as log lines
+    need); a quantized (QDQ) graph compiles without it. Raises Refused naming the ops where nodes would fall back."""
+    options = _options(soc, fp16, trace)
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     if context is not None:
         options.add_session_config_entry("ep.context_enable", "1")
         options.add_session_config_entry("ep.context_file_path", str(context))
         options.add_session_config_entry("ep.context_embed_mode", "1")
+    try:
+        return ort.InferenceSession(str(path), options)
+    except Exception as e:
+        if FALLBACK not in str(e):
+            raise
+        refused = _unsupported(path, soc, fp16)
+        raise Refused(f"the HTP of SoC {soc} refuses {', '.join(refused)}: {'; '.join(refused.values())}"
+                      if refused else str(e)) from None
+
+
+def _options(soc: int, fp16: bool, trace: Path | None) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # a graph the HTP refuses surfaces as the exception, not as log lines
     provider = {"backend_type": "htp", "soc_model": str(soc), "enable_htp_fp16_precision": "1" if fp16 else "0"}
     if trace is not None:
         provider |= {"enable_framework_op_trace": "1", "framework_op_trace_dir": str(trace)}
     options.add_provider_for_devices(_devices(), provider)
-    return ort.InferenceSession(str(path), options)
+    return options
+
+
+def _unsupported(path: str | Path, soc: int, fp16: bool) -> dict[str, str]:
+    """{op type: QNN's reason} for the nodes the HTP does not take: the graph again with CPU fallback allowed, where
+    QNN's op trace lists them."""
+    with tempfile.TemporaryDirectory() as trace:
+        ort.InferenceSession(str(path), _options(soc, fp16, Path(trace)))
+        nodes = _placement(Path(trace))["unsupported"]
+    return dict(sorted((n["op_type"], n["reason"].split(".")[0]) for n in nodes))
 
 
 def compile_graph(path: Path, soc: int, out: Path, fp16: bool = True) -> dict:
