@@ -1,13 +1,15 @@
 """make handoff: a self-checking bundle for NPU toolchains, in artifacts/<name>/handoff/.
 
 For the attention block and the decoder block: the `npu` graphs in fp32 and fp16 and the
-`onnx` graphs in fp32 (each with the export's own manifest), golden vectors (inputs and
-eager-PyTorch outputs for a prefill chunk and 8 decode steps), the lint report, which
-runtimes accept which target (measured by running the golden vectors), and a README for
-the receiving engineer. The whole model (`lm`) adds its `npu` graphs in fp32 and fp16, with
-goldens for a prompt chunk and 8 decode steps on eager PyTorch's greedy tokens (stored with
-them); its goldens hold only the cache rows written before a graph's first step: the verifier
-keeps the L caches as a host would, writing each step's reference rows. `python -m runtime.verify BUNDLE` re-checks it from the bundle alone.
+`onnx` graphs in fp32 (each with the export's own manifest), golden vectors, the lint report,
+which ops each runtime refuses per target (measured by running the golden vectors), and a README
+for the receiving engineer. The whole model (`lm`) adds its `npu` graphs in fp32 and fp16 (and
+quantized). Each window's goldens run one random sequence (golden_positions): prefill chunks at
+0, at T over the first chunk's rows and at the window's end; decode steps right after the first
+chunk and at the window's last row, so every graph reads a non-empty cache up to its window's
+depth. The whole model's goldens hold only the cache rows no earlier step of the golden wrote:
+the verifier keeps the L caches as a host would, writing each step's reference rows.
+`python -m runtime.verify BUNDLE` re-checks it from the bundle alone.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
 from models import AttentionConfig, build_model, preset
@@ -26,7 +29,7 @@ from runtime import qnn
 from runtime.drivers import host_mask
 from runtime.cli import Parser, run
 from runtime.parity import TOLERANCE, reference_model
-from runtime.verify import available_runtimes, verify_graph
+from runtime.verify import FORMAT, available_runtimes, named, verify_graph
 
 from . import quantize, windows as ladders
 from .atomic import staged_dir
@@ -37,45 +40,61 @@ VARIANTS = {"attention": (("fp32", ("onnx", "npu")), ("fp16", ("npu",))),
             "block": (("fp32", ("onnx", "npu")), ("fp16", ("npu",))),
             "lm": (("fp32", ("npu", "npu-w8a16")), ("fp16", ("npu",)))}
 KINDS = tuple(VARIANTS)
-DECODE_STEPS = 8
+DECODE_STEPS = 4  # right after the first prefill chunk; the decode goldens add one at the window's last row
+
+
+def golden_positions(config: AttentionConfig) -> dict[str, list[tuple[int, int]]]:
+    """(p0, rows) of each golden step over a window of config.capacity rows: prefill chunks at 0, at T (over a
+    non-empty cache) and ending at the window's last row; decode steps right after the first chunk, then one at
+    the window's last row (reading every row before it)."""
+    t, w = config.chunk, config.capacity
+    return {"prefill": [(p0, t) for p0 in sorted({0, t, w - t})],
+            "decode": [(t + i, 1) for i in range(DECODE_STEPS)] + [(w - 1, 1)]}
+
+
+def least_window(config: AttentionConfig) -> int:
+    """The smallest window golden_positions fits: two prefill chunks, and decode steps after the first and past them."""
+    return max(2 * config.chunk, config.chunk + DECODE_STEPS + 1)
 
 
 def golden(model, config: AttentionConfig, target: str, kind: str = "attention", seed: int = 0) -> dict[str, list]:
-    """Per step graph: [(inputs, eager outputs, rows written)] for a prefill chunk at 0, then decode steps (the
-    lm's on its own greedy tokens, stored as `greedy`; its npu goldens leave the caches to the verifier)."""
+    """Per step graph: [(inputs, eager outputs, rows written)] at golden_positions, all of one random sequence over
+    the window (token ids for the lm, hidden states else): each step reads eager's cache rows of that sequence before
+    it. The lm's npu goldens carry only the rows before a step that no earlier step of the golden wrote (the
+    verifier's host cache writes each step's reference rows)."""
     reference, np_dtype = reference_model(model), "float16" if config.dtype == "fp16" else "float32"
-    t, b, lm = config.chunk, config.batch, kind == "lm"
+    b, w, lm, npu = config.batch, config.capacity, kind == "lm", target.startswith("npu")
     gen = torch.Generator().manual_seed(seed)
     if lm:
-        x = torch.randint(0, config.vocab_size, (b, t), generator=gen)
+        x = torch.randint(0, config.vocab_size, (b, w), generator=gen)
     else:
-        x = torch.randn(b, t + DECODE_STEPS, config.hidden_size, generator=gen).to(config.torch_dtype).float()
+        x = torch.randn(b, w, config.hidden_size, generator=gen).to(config.torch_dtype).float()
     names, outs = input_names(config, kind), output_names(config, kind)
-    npu = target.startswith("npu")
-    cache = [torch.zeros(b, config.num_kv_heads, config.capacity, config.head_dim) for _ in names[2:]]
-    steps = {"prefill": [], "decode": []}
-    for step, p0, n in [("prefill", 0, t)] + [("decode", t + i, 1) for i in range(DECODE_STEPS)]:
-        pos = (p0 + torch.arange(n)).expand(b, n)
-        inp = x if lm else x[:, p0:p0 + n]
-        with torch.no_grad():
-            out, *presents = reference(inp, pos, *cache)
-        feeds = {names[0]: inp.numpy().astype("int32" if npu else "int64") if lm else inp.numpy().astype(np_dtype),
-                 "position_ids": pos.numpy().astype("int32" if npu else "int64")}
-        want = {outs[0]: out.numpy()}
-        if npu:
-            feeds["attention_mask"] = host_mask(b, config.capacity, p0, n, quantize.mask_value(target), np_dtype)
-            want |= {new: p[:, :, p0:p0 + n].numpy() for new, p in zip(cache_names(config, kind, ""), presents)}
-        else:
-            want |= {name: p.numpy() for name, p in zip(outs[1:], presents)}
-        if not (lm and npu):
-            feeds |= {name: c.numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
-        elif not steps[step] and p0:  # the rows a host holds before this graph's first step: its cache's start
-            feeds |= {name: c[:, :, :p0].numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
-        if lm:
-            x = out[:, -1].argmax(-1, keepdim=True)
-            want["greedy"] = x.numpy()
-        steps[step].append((feeds, want, p0 + n))
-        cache = presents
+    empty = [torch.zeros(b, config.num_kv_heads, w, config.head_dim) for _ in names[2:]]
+    with torch.no_grad():  # eager's cache rows for the whole sequence, as the graph's dtype holds them
+        rows = [r.to(config.torch_dtype).float() for r in reference(x, torch.arange(w).expand(b, w), *empty)[1:]]
+    steps = {}
+    for step, at in golden_positions(config).items():
+        steps[step], held = [], 0  # rows the verifier's host cache holds (the lm's npu goldens)
+        for p0, n in at:
+            pos = (p0 + torch.arange(n)).expand(b, n)
+            cache = [torch.cat([r[:, :, :p0], e[:, :, p0:]], dim=2) for r, e in zip(rows, empty)]
+            with torch.no_grad():
+                out, *presents = reference(x[:, p0:p0 + n], pos, *cache)
+            ids = "int32" if npu else "int64"
+            feeds = {names[0]: x[:, p0:p0 + n].numpy().astype(ids if lm else np_dtype), "position_ids": pos.numpy().astype(ids)}
+            want = {outs[0]: out.numpy()}
+            if npu:
+                feeds["attention_mask"] = host_mask(b, w, p0, n, quantize.mask_value(target), np_dtype)
+                want |= {new: p[:, :, p0:p0 + n].numpy() for new, p in zip(cache_names(config, kind, ""), presents)}
+            else:
+                want |= {name: p.numpy() for name, p in zip(outs[1:], presents)}
+            if not (lm and npu):
+                feeds |= {name: c.numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
+            elif p0 > held:
+                feeds |= {name: c[:, :, :p0].numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
+            held = max(held, p0 + n)
+            steps[step].append((feeds, want, p0 + n))
     return steps
 
 
@@ -88,7 +107,9 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
         save_golden(tmp / f"{name}.golden.npz", steps)
         entries.append({"file": f"{name}.onnx", "golden": f"{name}.golden.npz", "kind": kind, "dtype": config.dtype,
                         "target": target, "step": step, "window": config.capacity,
-                        "tolerance": quantize.tolerance(target, TOLERANCE[config.dtype])}
+                        # max_rel only: a golden's few logit rows are no statistic for KL or top-1 (near-ties flip
+                        # top-1), so it is held as quantize holds a step; the export held those on its prompt set
+                        "budget": {"max_rel": quantize.tolerance(target, TOLERANCE[config.dtype])}}
                        | ({"quantized": quantize.describe(quantize.split(target)[1])}
                           if quantize.split(target)[1] else {})
                        | ({"host_cache": {"inputs": cache_names(config, kind, "past_"),
@@ -111,9 +132,9 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
     out = Path(out)
     socs = tuple(socs) if qnn.available() else ()
     ladder = ladders.check(tuple(windows) or ladders.default(config), config)
-    if short := [w for w in ladder if w < config.chunk + DECODE_STEPS]:
-        raise ladders.WindowError(f"windows {short}: a golden holds a prefill chunk and {DECODE_STEPS} decode steps; "
-                                  f"expected W >= {config.chunk + DECODE_STEPS}")
+    if short := [w for w in ladder if w < least_window(config)]:
+        raise ladders.WindowError(f"windows {short}: a window's goldens hold two prefill chunks and {DECODE_STEPS} "
+                                  f"decode steps after the first; expected W >= {least_window(config)}")
     with staged_dir(out) as tmp:
         graphs = []
         for kind in kinds:
@@ -136,11 +157,10 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
         profile = lambda g: quantize.split(g["target"])[0]  # noqa: E731
         lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], profile(g))],
                              "notes": [vars(v) for v in lint(tmp / g["file"], profile(g), notes=True)]} for g in graphs}
-        runtimes = {rt: {t: all(verify_graph(tmp, g, rt)["ok"] for g in graphs if g["target"] == t)
-                         for t in dict.fromkeys(g["target"] for g in graphs)} for rt in available_runtimes(socs)}
-        if not all(runtimes["onnxruntime"].values()) or any(lints[g["file"]]["violations"] for g in graphs):
-            raise RuntimeError(f"bundle check failed: onnxruntime {runtimes['onnxruntime']}, lint {lints}")
-        manifest = {"format": 1, "config": config.to_dict(), "kinds": list(kinds), "windows": list(ladder),
+        if any(lints[g["file"]]["violations"] for g in graphs):
+            raise RuntimeError(f"bundle check failed: lint {lints}")
+        runtimes = {rt: refusals(tmp, graphs, rt) for rt in available_runtimes(socs)}
+        manifest = {"format": FORMAT, "config": config.to_dict(), "kinds": list(kinds), "windows": list(ladder),
                     "contract": CONTRACT,
                     "graphs": graphs, "runtimes": runtimes, "lint": "lint.json",
                     "qnn": {"version": qnn.version(), "socs": list(socs), "soc_names": {str(s): qnn.SOC_NAMES.get(s, "")
@@ -153,8 +173,31 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         (tmp / "README.md").write_text(readme(config, runtimes, manifest["qnn"], list(ladder)))
     log(f"wrote {out}: {len(graphs)} graphs; accepted by " +
-        "; ".join(f"{rt}: {', '.join(t for t, ok in r.items() if ok) or 'none'}" for rt, r in runtimes.items()))
+        "; ".join(f"{rt}: {', '.join(t for t, r in rts.items() if not r['refuses']) or 'none'}"
+                  for rt, rts in runtimes.items()))
     return manifest
+
+
+def refusals(bundle: Path, graphs: list[dict], runtime: str) -> dict[str, dict]:
+    """Per target, the ops `runtime` refuses (none: it runs every graph of the target within budget) and the error
+    naming them, from the golden vectors. A graph that runs and misses its budget, that onnxruntime does not run, or
+    that a runtime will not load without naming one of its ops, fails the build: the verifier would fail it."""
+    record, failed = {}, []
+    for g in graphs:
+        r = verify_graph(bundle, g, runtime)
+        ops = named(r.get("load_error", ""), op_types(bundle / g["file"]))
+        if not r["ok"] and (runtime == "onnxruntime" or not ops):
+            failed.append(f"{g['file']}: {r.get('why') or r.get('load_error')}")
+        entry = record.setdefault(g["target"], {"refuses": []})
+        entry["refuses"] = sorted(set(entry["refuses"]) | set(ops))
+        entry |= {"error": r["load_error"]} if ops else {}
+    if failed:
+        raise RuntimeError(f"bundle check failed on {runtime}: {'; '.join(failed)}")
+    return record
+
+
+def op_types(path: Path) -> list[str]:
+    return sorted({n.op_type for n in onnx.load(path, load_external_data=False).graph.node})
 
 
 CONTRACT = {
@@ -190,8 +233,9 @@ CONTRACT = {
 
 
 def readme(config: AttentionConfig, runtimes: dict, htp: dict, windows: list[int]) -> str:
-    accepted = "\n".join(f"- {rt}: " + ", ".join(f"`{t}` {'yes' if ok else 'no'}" for t, ok in r.items())
-                         for rt, r in runtimes.items())
+    accepted = "\n".join(f"- {rt}: " + ", ".join(f"`{t}` " + (f"no (refuses {', '.join(r['refuses'])})" if r["refuses"]
+                                                             else "yes") for t, r in rts.items())
+                         for rt, rts in runtimes.items())
     deploy = "\n".join(f"| {soc} | {htp['soc_names'][str(soc)]} | `*.npu.qnn{soc}.onnx` |" for soc in htp["socs"])
     compiled = (f"Every npu graph is also compiled for the Hexagon NPU (HTP) of each SoC below with {htp['version']}, "
                 "every node on the HTP (CPU fallback disabled), as an `EPContext` model beside it: load that file with "
@@ -217,7 +261,7 @@ The quantized (QDQ) graphs hold QuantizeLinear/DequantizeLinear pairs around eve
 per output channel, activations uint16 with ranges calibrated on activations recorded from real forward passes
 (the calibration set and method are in each export's `manifest.json`). Their mask value is {QDQ_MASK}, not
 {MASK_VALUE}, so the 16-bit scores keep their resolution. They are judged against eager fp32 at their accuracy
-budget (`tolerance` in manifest.json), not at 1e-4; the measured accuracy is in `lm-fp32/manifest.json`.
+budget (`budget` in manifest.json), not at 1e-4; the measured accuracy is in `lm-fp32/manifest.json`.
 
 Context windows: every float graph is there once per window W of the ladder {windows} (C's keep the names above,
 the others add `.wW`: `decode.npu.w{windows[0]}.onnx`), all reading the same `weights.data`. Window W's graphs take
@@ -225,13 +269,20 @@ caches `[B,Hkv,W,D]` and an attention_mask `[B,1,T,W+T]` (C replaced by W below)
 C: run each step in the smallest W with p0+T <= W, and when W grows, move rows 0..p0-1 into the larger buffers.
 The QDQ graphs are over C only.
 
-Every graph has a `*.golden.npz` beside it: inputs and eager-PyTorch (fp32) outputs for a prefill chunk at
-position 0 (prefill graphs) or 8 decode steps after it (decode graphs); the whole model's decode steps feed
-eager PyTorch's greedy tokens (stored as `greedy`), and its goldens leave the L caches out but for the rows
-written before a graph's first step: the verifier keeps them as your host would, writing each step's reference
-rows. Check them with
-`python -m runtime.verify .` (needs only numpy, onnxruntime and, optionally, openvino). Tolerance: fp32 1e-4,
-fp16 1e-2 (absolute, or relative to the output's largest value).
+Every graph has a `*.golden.npz` beside it: inputs and eager-PyTorch (fp32) outputs for steps of one random
+sequence (token ids for the whole model, hidden states else) over the graph's window W, each step reading eager's
+cache rows of that sequence before it. Prefill graphs: a chunk at position 0, one at T (over the first chunk's
+rows: a graph that confuses the past K and V passes an empty cache, not this) and one ending at row W-1. Decode
+graphs: {DECODE_STEPS} steps right after the first chunk, then one at row W-1, reading every row before it. So
+each window's graphs are checked at that window's depth. The whole model's goldens leave the L caches out but for
+the rows before a step that no earlier step of the golden wrote: the verifier keeps them as your host would,
+writing each step's reference rows. Check them with `python -m runtime.verify .` (needs only numpy, onnxruntime
+and, optionally, openvino and onnxruntime-qnn). Every output is held to its graph's budget (`budget` in
+manifest.json: max_rel, the normwise relative error max |a - e| / max |e|: fp32 1e-4, fp16 1e-2, the QDQ
+graphs' their scheme's; for logits also KL and top-1 where the budget has them); NaN or inf never passes. A
+graph that runs and misses its budget FAILs on any runtime. "not accepted (as the manifest says)" is only for a
+runtime that will not load a graph and names an op that `runtimes` in manifest.json records it refusing for the
+graph's target (e.g. OpenVINO and QNN's HTP have no `TensorScatter`, which the `onnx` graphs use).
 
 ## The npu step
 
@@ -271,7 +322,7 @@ chunk of all but its last token, then a decode step for the last), then one deco
 |---|---|---|
 {deploy}
 
-## Verified on (measured when this bundle was built)
+## Verified on (measured when this bundle was built; a runtime that refuses a target names the ops)
 
 {accepted}
 """

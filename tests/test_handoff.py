@@ -1,15 +1,22 @@
-"""make handoff: the bundle lints clean, verifies from the bundle alone, and says which runtime takes what."""
+"""make handoff: the bundle lints clean, verifies from the bundle alone, says which runtime refuses which ops, and its
+verifier refuses every fault planted into a graph from outside."""
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
+from onnx import helper, numpy_helper
 
+from export import quantize
 from export.handoff import build
 from models import preset
-from runtime.verify import main as verify_main
+from runtime import qnn
+from runtime.verify import main as verify_main, verify_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,13 +41,22 @@ def test_bundle_contents(bundle):
     assert all(lints[g["file"]]["violations"] == [] for g in m["graphs"])
     assert {n["rule"] for n in lints["lm-fp32/decode.npu.onnx"]["notes"]} == {"qnn-fp16-precision"}
     assert m["contract"]["npu"]["mask_value"] == -30000.0 and m["contract"]["npu"]["opset"] == 17
-    assert m["runtimes"]["onnxruntime"] == {"onnx": True, "npu": True, "npu-w8a16": True}
-    # OpenVINO 2026.4 has no TensorScatter, nor has QNN's HTP; both run the QDQ graphs within their budget.
-    assert m["runtimes"]["openvino-cpu"] == {"onnx": False, "npu": True, "npu-w8a16": True}
-    assert m["runtimes"]["qnn-htp-57"] == {"onnx": False, "npu": True, "npu-w8a16": True}
+    accepted = {"refuses": []}
+    assert m["format"] == 2 and m["runtimes"]["onnxruntime"] == {"onnx": accepted, "npu": accepted, "npu-w8a16": accepted}
+    # OpenVINO 2026.4 has no TensorScatter, nor has QNN's HTP (nor Attention with a boolean mask); both run the QDQ
+    # graphs within their budget. What they refuse is recorded by name, with the error that named it.
+    assert m["runtimes"]["openvino-cpu"] == {"onnx": {"refuses": ["TensorScatter"], "error": "RuntimeError: No conversion "
+                                                      "rule found for operations: TensorScatter-24"},
+                                             "npu": accepted, "npu-w8a16": accepted}
+    htp = m["runtimes"]["qnn-htp-57"]
+    assert htp["onnx"]["refuses"] == ["Attention", "TensorScatter"] and htp["onnx"]["error"].startswith(
+        "Refused: the HTP of SoC 57 refuses Attention, TensorScatter: ")
+    assert htp["npu"] == accepted and htp["npu-w8a16"] == accepted
     qdq = [g for g in m["graphs"] if g["target"] == "npu-w8a16"]
     assert {g["file"] for g in qdq} == {f"lm-fp32/{s}.npu-w8a16.onnx" for s in ("prefill", "decode")}
-    assert all(g["quantized"]["scheme"] == "w8a16" and g["tolerance"] == g["quantized"]["budget_max_rel"] for g in qdq)
+    assert all(g["quantized"]["scheme"] == "w8a16" and g["budget"] == {"max_rel": g["quantized"]["budget_max_rel"]}
+               for g in qdq)
+    assert {g["budget"]["max_rel"] for g in m["graphs"] if g["target"] != "npu-w8a16"} == {1e-4, 1e-2}
     assert all(g["qnn"]["57"]["fp16_precision"] is False and not g["qnn"]["57"]["placement"]["unsupported"] for g in qdq)
     assert m["qnn"]["socs"] == [57] and m["qnn"]["version"].startswith("QNN 2.51")
     for g in (g for g in m["graphs"] if g["target"] == "npu"):  # compiled, every node on the HTP
@@ -48,14 +64,25 @@ def test_bundle_contents(bundle):
         assert (bundle / compiled["file"]).is_file() and compiled["soc_model"] == 57
         assert compiled["placement"]["htp_nodes"] > 10 and compiled["placement"]["unsupported"] == []
     assert "| 57 | SM8650 (Snapdragon 8 Gen 3, HTP v75) | `*.npu.qnn57.onnx` |" in (bundle / "README.md").read_text()
-    assert "openvino-cpu: `onnx` no, `npu` yes" in (bundle / "README.md").read_text()
-    golden = np.load(bundle / "attention-fp32/decode.npu.golden.npz")
-    assert int(golden["steps"]) == 8 and golden["in.0.position_ids"].dtype == np.int32
-    lm = np.load(bundle / "lm-fp32/decode.npu.golden.npz")  # token ids in, greedy tokens stored, caches left out
-    assert lm["in.0.input_ids"].dtype == np.int32 and lm["out.0.greedy"].shape == (1, 1)
-    past = [k for k in lm.files if "past_" in k]  # but the prompt chunk's rows, which the decode steps read
-    assert len(past) == 4 and all(k.startswith("in.0.") and lm[k].shape == (1, 2, 16, 16) for k in past)
-    assert lm["out.7.key.1"].shape == (1, 2, 1, 16)
+    assert "openvino-cpu: `onnx` no (refuses TensorScatter), `npu` yes" in (bundle / "README.md").read_text()
+    lm = np.load(bundle / "lm-fp32/decode.npu.golden.npz")  # token ids in, caches left out
+    assert lm["in.0.input_ids"].dtype == np.int32 and lm["out.0.logits"].shape == (1, 1, 128)
+    past = [k for k in lm.files if "past_" in k]  # but the rows before a step no earlier step wrote
+    assert sorted({k.split(".")[1] for k in past}) == ["0", "4"] and len(past) == 8
+    assert lm["in.0.past_key.0"].shape == (1, 2, 16, 16) and lm["in.4.past_key.0"].shape == (1, 2, 63, 16)
+    assert lm["out.4.key.1"].shape == (1, 2, 1, 16)
+
+
+@pytest.mark.parametrize("path, positions", [
+    ("attention-fp32/prefill.npu", [0, 16, 48]),  # a chunk at 0, one over its rows, one ending at the window's end
+    ("attention-fp32/decode.onnx", [16, 17, 18, 19, 63]),  # right after the first chunk, and at the window's last row
+])
+def test_goldens_reach_the_window_s_depth(bundle, path, positions):
+    golden = np.load(bundle / f"{path}.golden.npz")
+    assert [int(golden[f"in.{i}.position_ids"][0, 0]) for i in range(int(golden["steps"]))] == positions
+    assert golden["in.0.position_ids"].dtype == (np.int32 if "npu" in path else np.int64)
+    deepest = golden[f"in.{len(positions) - 1}.past_key"]  # eager's rows of the sequence before the step, zeros after
+    assert deepest[:, :, :positions[-1]].any(axis=-1).all() and not deepest[:, :, positions[-1]:].any()
 
 
 def test_verify_needs_only_the_bundle(bundle):
@@ -69,26 +96,130 @@ def test_verify_needs_only_the_bundle(bundle):
     assert sum(line.startswith("pass  openvino-cpu") for line in lines) == 14
     htp = [line for line in lines if line.startswith("pass  qnn-htp-57")]
     assert len(htp) == 14 and sum(".qnn57.onnx, fp16 on the HTP" in line for line in htp) == 12
-    assert sum(".qnn57.onnx, quantized on the HTP (budget 0.3)" in line for line in htp) == 2
-    assert [line for line in lines if "lm-fp32/decode.npu.onnx" in line][0].endswith("greedy top-1 100%")
+    budget = quantize.tolerance("npu-w8a16", 1e-4)
+    assert sum(f".qnn57.onnx, quantized on the HTP (budget max_rel {budget:g})" in line for line in htp) == 2
+    assert "top-1 100%" in [line for line in lines if "lm-fp32/decode.npu.onnx" in line][0]
+    refused = [line for line in lines if line.startswith("not accepted (as the manifest says)")]
+    assert len(refused) == 8 and all(".onnx.onnx: " in line and "TensorScatter" in line for line in refused)
 
 
-def test_verify_catches_a_wrong_golden(bundle, tmp_path, capsys):
-    import shutil
+def _rename(graph: onnx.GraphProto, names: dict) -> None:
+    """Rename tensors everywhere in the graph, its inputs and outputs too."""
+    for node in graph.node:
+        node.input[:] = [names.get(x, x) for x in node.input]
+        node.output[:] = [names.get(x, x) for x in node.output]
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        value.name = names.get(value.name, value.name)
+
+
+def _scale(graph: onnx.GraphProto, op: str, value: float) -> None:
+    """The main output (output, logits) through `op` with a constant: x * 0, x + NaN, x * 1.5."""
+    main = graph.output[0].name
+    _rename(graph, {main: f"{main}.unfaulted"})
+    graph.output[0].name = main
+    dtype = helper.tensor_dtype_to_np_dtype(graph.output[0].type.tensor_type.elem_type)
+    graph.initializer.append(numpy_helper.from_array(np.array(value, dtype), "fault"))
+    graph.node.append(helper.make_node(op, [f"{main}.unfaulted", "fault"], [main]))
+
+
+def _swap(graph: onnx.GraphProto, key: str) -> None:
+    """Swap a K tensor with its V (key/value, present_key/present_value, past_key.0/past_value.0, ...): swapping the
+    names everywhere leaves the graph as it was inside, while from outside K goes where V should and back."""
+    _rename(graph, {key: key.replace("key", "value"), key.replace("key", "value"): key})
+
+
+FAULTS = {
+    "zeros": lambda g: _scale(g, "Mul", 0.0),
+    "NaN": lambda g: _scale(g, "Add", np.nan),
+    "50% error": lambda g: _scale(g, "Mul", 1.5),
+    "K/V outputs swapped": lambda g: _swap(g, g.output[1].name),
+    "K/V inputs swapped": lambda g: _swap(g, next(i.name for i in g.input if i.name.startswith("past_key"))),
+}
+
+
+def plant(bundle: Path, graph: dict, fault: str) -> dict:
+    """`fault` planted into a copy of the graph's file beside it (so it reads the same weights.data); the manifest
+    entry of that copy, with no compiled QNN model (the HTP compiles the planted graph)."""
+    model = onnx.load(bundle / graph["file"], load_external_data=False)
+    FAULTS[fault](model.graph)
+    planted = graph["file"].replace(".onnx", f".{re.sub(r'[^a-zA-Z0-9]+', '-', fault)}.onnx")  # 50% error: .50-error
+    onnx.save(model, bundle / planted)
+    return {k: v for k, v in graph.items() if k != "qnn"} | {"file": planted}
+
+
+@pytest.fixture(scope="module")
+def planted(bundle, tmp_path_factory):
+    """{(graph file, fault): the planted graph's manifest entry}, in a copy of the bundle."""
+    copy = tmp_path_factory.mktemp("planted") / "handoff"
+    shutil.copytree(bundle, copy)
+    graphs = json.loads((copy / "manifest.json").read_text())["graphs"]
+    return copy, {(g["file"], fault): plant(copy, g, fault) for g in graphs for fault in FAULTS}
+
+
+def test_every_planted_fault_is_refused(planted):
+    """Every fault in every graph FAILs on onnxruntime and OpenVINO by the measure it breaks; OpenVINO does not load
+    the onnx graphs at all (TensorScatter, as the manifest records). The QDQ graphs' budget (0.25 today) is under
+    a 50% error too."""
+    copy, entries = planted
+    refuses = json.loads((copy / "manifest.json").read_text())["runtimes"]
+    for (file, fault), graph in entries.items():
+        for runtime in ("onnxruntime", "openvino-cpu"):
+            r = verify_graph(copy, graph, runtime)
+            where = f"{fault} in {file} on {runtime}: {r}"
+            if "load_error" in r:
+                assert refuses[runtime][graph["target"]]["refuses"] == ["TensorScatter"], where
+                continue
+            assert graph["budget"]["max_rel"] < 0.5 and not r["ok"], where
+            assert r["why"] == ("non-finite values (NaN or inf) where the reference is finite" if fault == "NaN"
+                                else f"max_rel {r['max_rel']:.3g} > {graph['budget']['max_rel']:g}"), where
+            assert r["max_rel"] >= {"zeros": 1.0, "50% error": 0.49}.get(fault, 0.4), where
+
+
+def test_swapped_past_k_and_v_in_a_prefill_graph_is_caught_by_the_non_empty_cache(planted):
+    """Over an empty cache (the prefill golden's first step) a prefill graph reading past K for V passes; the chunk
+    at T, over the first chunk's rows, is what refuses it."""
+    copy, entries = planted
+    for (file, fault), graph in entries.items():
+        if fault != "K/V inputs swapped" or "prefill" not in file:
+            continue
+        data = np.load(copy / graph["golden"])
+        first = {k: data[k] for k in data.files if k.startswith(("in.0.", "out.0.", "live.0"))}
+        np.savez(copy / f"{graph['file']}.first.npz", steps=np.array(1), **first)
+        assert verify_graph(copy, graph | {"golden": f"{graph['file']}.first.npz"}, "onnxruntime")["ok"], file
+        assert not verify_graph(copy, graph, "onnxruntime")["ok"], file
+
+
+def test_verify_fails_a_bundle_with_a_planted_fault(bundle, tmp_path, capsys):
+    """The CLI: exit 1 and FAIL on every runtime for a graph that runs and misses, even where the manifest records
+    that runtime refusing the target (as an older bundle's False would have excused it); a wrong golden too."""
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
-    path = copy / "block-fp32/decode.npu.golden.npz"
-    data = dict(np.load(path))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    i = next(i for i, g in enumerate(manifest["graphs"]) if g["file"] == "attention-fp32/decode.npu.onnx")
+    manifest["graphs"][i] = plant(copy, manifest["graphs"][i], "50% error")  # no compiled model: the HTP compiles it
+    manifest["runtimes"]["openvino-cpu"]["npu"] = {"refuses": ["MatMul"], "error": "MatMul refused"}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    golden = copy / "block-fp32/decode.npu.golden.npz"
+    data = dict(np.load(golden))
     data["out.3.output"] = data["out.3.output"] + 0.01
-    np.savez(path, **data)
+    np.savez(golden, **data)
     assert verify_main([str(copy)]) == 1
-    assert "FAIL  onnxruntime  block-fp32/decode.npu.onnx" in capsys.readouterr().out
+    fails = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL")]
+    runtimes = ["onnxruntime", "openvino-cpu"] + (["qnn-htp-57"] if qnn.available() else [])
+    assert [line.split()[1] for line in fails if "attention-fp32/decode.npu.50-error.onnx: max_rel 0.5" in line] == runtimes
+    assert f"FAIL  qnn-htp-57   attention-fp32/decode.npu.50-error.onnx: max_rel 0.5 > 0.01; " in "\n".join(fails) \
+        or not qnn.available()
+    assert any(line.startswith("FAIL  onnxruntime  block-fp32/decode.npu.onnx: max_rel") for line in fails)
 
 
 def test_verify_refuses_a_folder_that_is_no_bundle(tmp_path, capsys):
     assert verify_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path}: no readable manifest.json") and err.count("\n") == 1
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "graphs": []}))  # runtimes as bools: no ops named
+    assert verify_main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}: manifest format 1; expected 2 (rebuild it with make handoff: " \
+                                      "earlier bundles record no refused ops)\n"
 
 
 def test_fully_masked_rows_stay_finite_in_fp16(bundle):
@@ -113,6 +244,9 @@ def test_a_bundle_carries_the_window_ladder(tmp_path, capsys):
         {f"lm-{d}/{s}.npu.w32.onnx" for d in ("fp32", "fp16") for s in ("prefill", "decode")}  # QDQ: C only
     golden = np.load(out / "attention-fp32/decode.npu.w32.golden.npz")
     assert golden["in.0.past_key"].shape[2] == 32 and golden["in.0.attention_mask"].shape[-1] == 33
+    assert int(golden["in.4.position_ids"][0, 0]) == 31  # the window's last row: its depth, not C's
+    prefill = np.load(out / "attention-fp32/prefill.npu.w32.golden.npz")
+    assert [int(prefill[f"in.{i}.position_ids"][0, 0]) for i in range(int(prefill["steps"]))] == [0, 16]
     assert small["lm-fp32/decode.npu.w32.onnx"]["host_cache"]["shape"][2] == 32
     assert verify_main([str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -120,7 +254,7 @@ def test_a_bundle_carries_the_window_ladder(tmp_path, capsys):
 
 
 def test_a_window_too_small_for_the_goldens_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"windows \[16\]: a golden holds a prefill chunk and 8 decode steps; "
-                                         r"expected W >= 24"):
+    with pytest.raises(ValueError, match=r"windows \[16\]: a window's goldens hold two prefill chunks and 4 decode "
+                                         r"steps after the first; expected W >= 32$"):
         build(preset("tiny"), tmp_path / "h", socs=(), windows=(16, 64), log=lambda *_: None)
     assert not (tmp_path / "h").exists()
