@@ -11,6 +11,9 @@ import onnx_ir as ir
 EXTERNAL_DATA_BYTES = 1 << 30  # protobuf caps a file at 2 GiB; stay well clear of it
 # onnxruntime contrib ops that live in the default domain (onnxruntime's choice), unknown to onnx.checker.
 ORT_DEFAULT_DOMAIN_OPS = {"SimplifiedLayerNormalization"}
+# Attributes onnx.checker does not range-check but onnx's shape inference (run by the passes' constant folding)
+# indexes with unchecked, killing the process (found by the fuzzer: GatherND batch_dims=-2 is a SIGSEGV).
+ATTRIBUTE_MINIMUM = {("GatherND", "batch_dims"): 0}
 
 
 class ModelFileError(ValueError):
@@ -42,6 +45,17 @@ def check(proto: onnx.ModelProto) -> None:
         if not any(o.domain == "com.microsoft" for o in proto.opset_import):
             proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     onnx.checker.check_model(proto)
+    _check_attribute_ranges(proto.graph)
+
+
+def _check_attribute_ranges(graph: onnx.GraphProto) -> None:
+    for node in graph.node:
+        for a in node.attribute:
+            least = ATTRIBUTE_MINIMUM.get((node.op_type, a.name))
+            if least is not None and a.i < least:
+                raise ValueError(f"node {node.name or node.op_type}: {node.op_type} {a.name}={a.i}; expected >= {least}")
+            for g in [a.g] * (a.type == onnx.AttributeProto.GRAPH) + list(a.graphs):
+                _check_attribute_ranges(g)
 
 
 def save(model: ir.Model, path: Path) -> str | None:

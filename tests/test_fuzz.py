@@ -33,27 +33,6 @@ VERBOSE = bool(os.environ.get("FUZZ_VERBOSE"))  # print each case before it runs
 TARGETS = ("raw", "onnx", "ort", "npu")
 
 
-def _gathernd_batch_dims_below_minus_one(m: onnx.ModelProto) -> bool:
-    return any(n.op_type == "GatherND" and any(a.name == "batch_dims" and a.i < -1 for a in n.attribute)
-               for n in m.graph.node)
-
-
-# Mutations that crash the process (SIGSEGV) inside a dependency the passes call, until the passes guard them:
-# such cases are counted and not run (a crash would end the whole test session); each has an xfail test below.
-KNOWN_CRASHES = {
-    "GatherND batch_dims < -1 (onnx shape inference, called by cleanup's constant folding, segfaults)":
-        _gathernd_batch_dims_below_minus_one,
-}
-
-
-def known_crash(data: bytes) -> str | None:
-    try:
-        m = onnx.ModelProto.FromString(data)
-    except Exception:
-        return None
-    return next((why for why, hit in KNOWN_CRASHES.items() if hit(m)), None)
-
-
 def mutate(model: onnx.ModelProto, rng: np.random.Generator) -> tuple[str, bytes]:
     """One random mutation of a copy of `model`: (what was done, the bytes to feed the passes)."""
     m = onnx.ModelProto.FromString(model.SerializeToString())
@@ -282,7 +261,7 @@ def test_fuzz_the_passes(seeds, tmp_path, capsys):
         print(f"\nfuzz: FUZZ_SEED={SEED} FUZZ_CASES={CASES} (repeat with FUZZ_SEED={SEED} make fuzz; "
               "FUZZ_VERBOSE=1 prints each case before it runs)")
     rng = np.random.default_rng(SEED)
-    counts = {"refused": 0, "compared": 0, "npu compared": 0, "skipped": 0, "npu skipped": 0, "known crash": 0}
+    counts = {"refused": 0, "compared": 0, "npu compared": 0, "skipped": 0, "npu skipped": 0}
     clean = len(seeds) * len(TARGETS)  # the first cases: every seed unmutated, through every target
     for case in range(CASES):
         seed_model = seeds[case % len(seeds)]
@@ -291,9 +270,6 @@ def test_fuzz_the_passes(seeds, tmp_path, capsys):
         if VERBOSE:
             with capsys.disabled():
                 print(f"case {case}: {what}, --target {target}", flush=True)
-        if known_crash(data):
-            counts["known crash"] += 1
-            continue
         try:
             outcome = fuzz_case(data, target, tmp_path, capsys, seed=SEED + case)
         except AssertionError as e:
@@ -308,8 +284,7 @@ def test_fuzz_the_passes(seeds, tmp_path, capsys):
         print(f"{CASES} cases (FUZZ_SEED={SEED}): {written} rewritten, {counts['compared']} compared with their "
               f"input in onnxruntime ({counts['npu compared']} npu through the host-cache feeds), "
               f"{counts['skipped']} not comparable (the input does not run; {counts['npu skipped']} of them npu, "
-              f"whose input may also lack the step's interface), {counts['known crash']} not run (a known crash: "
-              f"{', '.join(KNOWN_CRASHES)})")
+              f"whose input may also lack the step's interface)")
     assert counts["compared"] > counts["npu compared"] > 0
 
 
@@ -436,16 +411,15 @@ def test_fuzz_case_refuses_passes_that_write_nan(exported, tmp_path, capsys, mon
         fuzz_case(data, target, tmp_path, capsys)
 
 
-@pytest.mark.xfail(strict=True, reason="known crash: `python -m passes` segfaults on a GatherND with batch_dims < -1 "
-                   "(onnx shape inference inside cleanup's constant folding); the fuzz counts such cases, skips them")
-def test_passes_survive_gathernd_negative_batch_dims(exported, tmp_path):
+def test_passes_refuse_gathernd_negative_batch_dims(exported, tmp_path):
+    """Found by the fuzzer: onnx's shape inference (inside cleanup's constant folding) segfaulted on it."""
     import subprocess
     import sys
     m = onnx.load(str(exported("block").folder / "prefill.raw.onnx"))
     node = next(n for n in m.graph.node if n.op_type == "GatherND")
     next(a for a in node.attribute if a.name == "batch_dims").i = -2
-    assert known_crash(m.SerializeToString())
     onnx.save(m, str(tmp_path / "in.onnx"))
     run = subprocess.run([sys.executable, "-m", "passes", str(tmp_path / "in.onnx"), str(tmp_path / "out.onnx"),
                           "--target", "raw"], capture_output=True, text=True, timeout=300)
-    assert run.returncode in (0, 1), f"exit status {run.returncode} (negative: killed by signal {-run.returncode})"
+    assert run.returncode == 1, f"exit status {run.returncode} (negative: killed by signal {-run.returncode})"
+    assert run.stderr.startswith("error: ") and "batch_dims=-2; expected >= 0" in run.stderr, run.stderr
