@@ -11,6 +11,9 @@ context), and each step's next-token logits are compared with eager's:
 - greedy_match: free-running greedy generation, the share of the N tokens generated before
   the first one that differs from eager's greedy continuation.
 
+The export holds a quantized target's figures to its scheme's budget (max_rel, kl_mean, top1;
+export/quantize.py) and refuses the graphs past it.
+
 Any object with `reset()`, `feed(ids [1, L]) -> logits [1, 1, V]` and `decode(ids [1, 1])`
 is measured the same way: the runtime's drivers, and onnxruntime-genai (benchmarks/peers.py).
 """

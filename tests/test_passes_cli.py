@@ -103,6 +103,7 @@ def test_verify_catches_a_changed_graph(raw, tmp_path):
     weight.CopyFrom(onnx.numpy_helper.from_array(array, weight.name))
     results = compare(str(raw), model.SerializeToString())
     assert not results["output"]["ok"] and results["output"]["max_abs"] > 1e-3
+    assert results["output"]["why"].startswith("max_rel") and results["output"]["tolerance"] == 1e-4
     assert results["present_value"]["ok"] or results["present_key"]["ok"]
 
 
