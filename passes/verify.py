@@ -107,16 +107,8 @@ def compare(before, after, seed: int = 0, budget: Budget | None = None) -> dict:
         if name.startswith("present") and last is not None and r.ndim >= 3:
             r, g = r[:, :, : last + 1], g[:, :, : last + 1]
         held = budget or Budget(TOLERANCE.get(r.dtype, 0.0))
-        err = (logit_error if name == "logits" else error)(*_common_nans_zeroed(g, r))
+        err = (logit_error if name == "logits" else error)(g, r)  # NaN where `before` has it too is not the rewrite's
         why = why_not(err, held)
         results[name] = {**err, "tolerance": held.max_rel, "ok": why is None, "why": why}
     return results
 
-
-def _common_nans_zeroed(got: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """NaN where the original graph has NaN too is not the rewrite's fault (its input's): those entries compare as
-    equal; a NaN the original does not have stays, and fails."""
-    if got.shape != ref.shape or not np.issubdtype(ref.dtype, np.floating):
-        return got, ref
-    both = np.isnan(got) & np.isnan(ref)
-    return np.where(both, 0, got), np.where(both, 0, ref)
