@@ -89,7 +89,7 @@ def rewrite(args) -> int:
         report["verify"] = results
         print("verify: " + ", ".join(f"{k} max abs {r['max_abs']:.1e}, rel {r['max_rel']:.1e}" for k, r in results.items()))
         if bad := [f"{k} {r['why']}" for k, r in results.items() if not r["ok"]]:
-            failures.append(f"verify: {'; '.join(bad)} against the graph before the passes")
+            failures.append(f"verify against the graph before the passes: {'; '.join(bad)}")
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
     if failures:
