@@ -189,7 +189,7 @@ def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report:
     mask = quantize.mask_value(target)
     runner = HostCacheGenerator(session, session, mask) if base == "npu" else session
     # A quantized graph's ranges are calibrated on real K/V rows, so its steps read caches eager filled from a real
-    # prefix; random rows fall outside those ranges (w8a16 steps measured 0.42 on them, 0.09 on prefilled ones).
+    # prefix; random rows fall outside those ranges (tiny w8a16 decode measured 0.42 on them, 0.09 on prefilled ones).
     cases = [step_parity(model, runner, config, t, p0, seed, kind, prefix=bool(scheme)) for p0 in parity_cases(config, step)]
     err, held = worst(cases), _budget(config, target)
     _check(err, held, f"{path.name}: step parity")
