@@ -29,8 +29,11 @@ def export_module(module: torch.nn.Module, args: tuple, input_names, output_name
     exported = torch.export.export(module, tuple(args), strict=False)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _quiet_logs():
         warnings.simplefilter("ignore")
+        # optimize=False: onnxscript's optimizer (on by default) folds Add(x, 1e-8) away as adding zero (its add_0
+        # rule), so an RMSNorm with eps 1e-8 (helium) divides by zero; the passes' cleanup folds constants anyway.
         program = torch.onnx.export(exported, tuple(args), dynamo=True, input_names=list(input_names),
-                                    output_names=list(output_names), opset_version=opset, verbose=False)
+                                    output_names=list(output_names), opset_version=opset, verbose=False,
+                                    optimize=False)
     return program.model
 
 
