@@ -17,9 +17,18 @@ KINDS = {"attention": Attention, "block": MiniMindBlock, "lm": MiniMindForCausal
 
 def build_model(config: AttentionConfig, kind: str = "attention", seed: int = 0,
                 weights: str | None = None, layer: int | None = None) -> torch.nn.Module:
-    """An eval-mode model in the config's dtype: seeded random weights, or loaded from `weights`."""
+    """An eval-mode model in the config's dtype: seeded random weights, or loaded from `weights`; with
+    `config.source == "transformers"` (model_config decides it), the folder's own causal LM as the lm step (HFStep)."""
     if kind not in KINDS:
         raise ConfigError(f"unknown model kind {kind!r}: expected one of {', '.join(KINDS)}")
+    if kind == "lm" and config.source == "transformers":
+        if weights is None or not Path(weights).is_dir():
+            raise WeightsError(f"source transformers builds a Hugging Face folder's own model; expected --weights "
+                               f"FOLDER, got {weights!r}")
+        if layer is not None:
+            raise WeightsError(f"--layer {layer} picks one block of a checkpoint; the lm takes every layer")
+        from .hf_step import load_hf_step
+        return load_hf_step(config, weights)
     model = init_random_(KINDS[kind](config), seed)
     if weights is not None and kind == "lm":
         if layer is not None:
@@ -31,7 +40,8 @@ def build_model(config: AttentionConfig, kind: str = "attention", seed: int = 0,
 
 
 def model_config(config: AttentionConfig, kind: str, weights: str | None) -> AttentionConfig:
-    """The config a model is built with: a Hugging Face folder's config.json gives the lm its dims."""
+    """The config a model is built with: a Hugging Face folder's config.json gives the lm its dims and its source
+    (the course model, or the folder's own transformers modeling code)."""
     if kind == "lm" and weights is not None and Path(weights).is_dir():
         return config_from_folder(weights, config)
     return config

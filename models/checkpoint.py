@@ -1,10 +1,20 @@
 """Whole-model checkpoints for the LM: a MiniMind `.pth` state dict as its training scripts save it, or a
-Hugging Face folder (`config.json` + `model.safetensors`, or shards listed in `model.safetensors.index.json`)
-of a MiniMind or Qwen3ForCausalLM model, whose dims come from its `config.json`.
+Hugging Face folder (`config.json` + `model.safetensors`, or shards listed in `model.safetensors.index.json`),
+whose dims come from its `config.json`.
 
-Both name parameters as our LM does (`model.embed_tokens.weight`, `model.layers.N.*`, `model.norm.weight`,
-`lm_head.weight`, which tied checkpoints may leave out). Anything that does not fit is one WeightsError
-naming it: a missing, unexpected or mis-shaped key, or a config this model is not (MoE, attention biases,
+A folder is built from one of two sources (`AttentionConfig.source`, `--source`):
+
+- `course`: our course-literal MiniMind model (models/lm.py), for MiniMind and Qwen3ForCausalLM folders (the same
+  architecture; the default for them);
+- `transformers`: the folder's own modeling code through `AutoModelForCausalLM` (models/hf_step.py), for any
+  decoder-only causal LM with softmax attention (full or sliding-window layers), RoPE or no rotary positions, one
+  KV head count and head size in every layer, dense MLPs and text only. Anything else is refused in one line naming
+  the architecture and the part that does not fit (encoder-decoder, multimodal, state-space or recurrent layers,
+  mixture of experts, ALiBi, per-layer cache shapes), before any weights are read.
+
+The course model's checkpoints name parameters as our LM does (`model.embed_tokens.weight`, `model.layers.N.*`,
+`model.norm.weight`, `lm_head.weight`, which tied checkpoints may leave out). Anything that does not fit is one
+WeightsError naming it: a missing, unexpected or mis-shaped key, or a config this model is not (MoE, attention biases,
 another activation, scaled RoPE, sliding windows).
 """
 from __future__ import annotations
@@ -18,11 +28,18 @@ import torch
 from .config import AttentionConfig
 from .weights import WeightsError, _read, fit_
 
-MODEL_TYPES = ("qwen3", "minimind")
+MODEL_TYPES = ("qwen3", "minimind")  # what the course model is: its source by default (source=auto)
+SCOPE = ("a decoder-only causal LM with softmax attention (full or sliding-window layers), RoPE or no rotary "
+         "positions, one KV head count and head size in every layer, dense MLPs, text only")
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_moe_experts")
+STATE_SPACE = ("mamba", "ssm_", "state_size", "linear_num", "linear_key", "linear_value", "lru_width")
 
 
 def config_from_folder(folder: str | Path, base: AttentionConfig) -> AttentionConfig:
-    """`base` (capacity, chunk, batch, dtype) with the model's dims read from the folder's config.json."""
+    """`base` (capacity, chunk, batch, dtype) with the model's dims read from the folder's config.json, and `source`
+    decided: `course` (our MiniMind model, for MiniMind and Qwen3 folders: the default for them) or `transformers`
+    (the folder's own modeling code: any other decoder-only LM, or a Qwen3 folder with source=transformers)."""
     path = Path(folder) / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -30,10 +47,14 @@ def config_from_folder(folder: str | Path, base: AttentionConfig) -> AttentionCo
         raise WeightsError(f"{path}: not found; expected a Hugging Face model folder with config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise WeightsError(f"{path}: not valid JSON ({e})") from None
-    kind = cfg.get("model_type")
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    source = base.source if base.source != "auto" else ("course" if kind in MODEL_TYPES else "transformers")
+    if source == "transformers":
+        return _transformers_config(path, cfg if isinstance(cfg, dict) else {}, base)
     if kind not in MODEL_TYPES:
-        raise WeightsError(f"{path}: model_type {kind!r}; expected one of {', '.join(MODEL_TYPES)} "
-                           "(MiniMind's causal LM, or Qwen3ForCausalLM: the same architecture)")
+        raise WeightsError(f"{path}: model_type {kind!r}; the course model reads {', '.join(MODEL_TYPES)} "
+                           "(MiniMind's causal LM, or Qwen3ForCausalLM: the same architecture); --source transformers "
+                           "(or auto) builds any other decoder-only LM from transformers' modeling code")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     unsupported = [what for what, bad in (
         ("mixture of experts (use_moe / num_experts)", cfg.get("use_moe") or cfg.get("num_experts")),
@@ -56,7 +77,64 @@ def config_from_folder(folder: str | Path, base: AttentionConfig) -> AttentionCo
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
         vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"],
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), qk_norm=True)
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), qk_norm=True, source="course")
+
+
+def _transformers_config(path: Path, cfg: dict, base: AttentionConfig) -> AttentionConfig:
+    """The dims of a model transformers builds from its own modeling code, or one WeightsError naming the
+    architecture and the part of it outside the scope (SCOPE), before any weights are read."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = cfg.get("model_type")
+    arch = ", ".join(cfg.get("architectures") or []) or f"model_type {kind!r}"
+    refuse = lambda why: WeightsError(f"{path}: {arch} is {why}; expected {SCOPE}")  # noqa: E731
+    if not kind:
+        raise WeightsError(f"{path}: no model_type; expected a Hugging Face config.json naming its architecture")
+    try:
+        hf = AutoConfig.from_pretrained(str(path.parent))
+    except Exception as e:  # transformers raises ValueError or KeyError for an unknown model_type
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise WeightsError(f"{path}: model_type {kind!r}: transformers {transformers.__version__} cannot build its "
+                           f"config ({first}); expected {SCOPE}, of a model_type transformers knows") from None
+    if getattr(hf, "is_encoder_decoder", False):
+        raise refuse("an encoder-decoder model (is_encoder_decoder), not decoder-only")
+    others = [k for k in getattr(hf, "sub_configs", {}) or {} if k != "text_config"]
+    if others:
+        raise refuse(f"multimodal ({', '.join(others)} beside the text model), not text only")
+    text = hf.get_text_config(decoder=True)
+    if not getattr(text, "num_attention_heads", None):
+        raise refuse("no attention model (no num_attention_heads: a state-space or recurrent model), not softmax attention")
+    for field in ("layer_types", "block_types", "layers_block_type"):
+        odd = sorted({str(t) for t in getattr(text, field, None) or []} - set(ATTENTION_LAYERS) - {"attention"})
+        if odd:
+            raise refuse(f"a hybrid with {', '.join(odd)} layers ({field}), not softmax attention in every layer")
+    ssm = [k for k, v in text.to_dict().items() if v and any(w in k for w in STATE_SPACE)]
+    if ssm:
+        raise refuse(f"a state-space or linear-attention model ({', '.join(ssm)}), not softmax attention")
+    experts = [f"{k}={getattr(text, k)}" for k in EXPERT_COUNTS if (getattr(text, k, None) or 0) > 1][:1]
+    if experts or "sparse" in (getattr(text, "mlp_layer_types", None) or []):
+        raise refuse(f"a mixture of experts ({', '.join(experts) or 'mlp_layer_types sparse'}), not dense MLPs")
+    if getattr(text, "alibi", False):
+        raise refuse("positioned by ALiBi biases (alibi), not RoPE or no rotary positions")
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise refuse(f"not a causal LM transformers {transformers.__version__} builds (AutoModelForCausalLM has no "
+                     f"class for model_type {kind!r})")
+    from transformers.configuration_utils import get_head_shapes
+    kv_heads, head_dim = get_head_shapes(text)
+    if isinstance(kv_heads, list) or isinstance(head_dim, list):
+        raise refuse(f"a model whose layers differ in KV heads or head size (per layer: {kv_heads}, {head_dim}), "
+                     "not one cache shape for every layer")
+    rope = getattr(text, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    eps = getattr(text, "rms_norm_eps", None) or getattr(text, "layer_norm_eps", None)
+    return base.replace(
+        hidden_size=text.hidden_size, num_heads=text.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=getattr(text, "intermediate_size", None) or 0, vocab_size=text.vocab_size,
+        num_layers=text.num_hidden_layers, tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        **({"rope_theta": float(theta)} if theta else {}), **({"rms_eps": float(eps)} if eps else {}),
+        source="transformers")
 
 
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:

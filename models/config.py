@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+SOURCES = ("auto", "course", "transformers")
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,9 @@ class AttentionConfig:
     vocab_size: int = _f(6400, "vocabulary size (lm)", "vocab-size")
     num_layers: int = _f(8, "decoder blocks L (lm)", "layers")
     tie_embeddings: bool = _f(True, "lm_head shares the token embedding's weights (lm)", "tie-embeddings")
+    source: str = _f("auto", "what a Hugging Face folder is built as (lm): course (our MiniMind model; MiniMind and "
+                     "Qwen3 folders), transformers (the folder's own modeling code, any decoder-only LM), auto (course "
+                     "where it fits, else transformers)", "source", SOURCES)
 
     def __post_init__(self):
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "capacity", "chunk", "batch", "vocab_size",
@@ -60,6 +64,8 @@ class AttentionConfig:
             raise ConfigError(f"config field rms_eps={self.rms_eps}: expected a positive number")
         if self.dtype not in DTYPES:
             raise ConfigError(f"config field dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.source not in SOURCES:
+            raise ConfigError(f"config field source={self.source!r}: expected one of {', '.join(SOURCES)}")
         if not isinstance(self.intermediate_size, int) or self.intermediate_size < 0:
             raise ConfigError(f"config field intermediate_size={self.intermediate_size!r}: expected 0 or a positive integer")
 
