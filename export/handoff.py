@@ -59,9 +59,9 @@ def least_window(config: AttentionConfig) -> int:
 
 def golden(model, config: AttentionConfig, target: str, kind: str = "attention", seed: int = 0) -> dict[str, list]:
     """Per step graph: [(inputs, eager outputs, rows written)] at golden_positions, all of one random sequence over
-    the window (token ids for the lm, hidden states else): each step reads eager's cache rows of that sequence before
-    it. The lm's npu goldens carry only the rows before a step that no earlier step of the golden wrote (the
-    verifier's host cache writes each step's reference rows)."""
+    the window (token ids for the lm, hidden states else). Each step reads the cache a host holds: eager's rows of
+    the sequence before the golden's first step (or before a step past the rows written so far), then each step's
+    own rows. The lm's npu goldens store only those first rows: the verifier's host cache writes each step's."""
     reference, np_dtype = reference_model(model), "float16" if config.dtype == "fp16" else "float32"
     b, w, lm, npu = config.batch, config.capacity, kind == "lm", target.startswith("npu")
     gen = torch.Generator().manual_seed(seed)
@@ -70,18 +70,24 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     else:
         x = torch.randn(b, w, config.hidden_size, generator=gen).to(config.torch_dtype).float()
     names, outs = input_names(config, kind), output_names(config, kind)
+    ids = "int32" if npu else "int64"
+    # The lm's npu goldens store the rows a host cache starts from in fp16 (a window's deepest steps start from
+    # about W rows per layer: fp16 halves the file); the verifier widens them, and eager reads them so too.
+    held_dtype = "float16" if lm and npu else np_dtype
     empty = [torch.zeros(b, config.num_kv_heads, w, config.head_dim) for _ in names[2:]]
-    with torch.no_grad():  # eager's cache rows for the whole sequence, as the graph's dtype holds them
-        rows = [r.to(config.torch_dtype).float() for r in reference(x, torch.arange(w).expand(b, w), *empty)[1:]]
+    with torch.no_grad():
+        rows = [_held(r, held_dtype) for r in reference(x, torch.arange(w).expand(b, w), *empty)[1:]]
     steps = {}
     for step, at in golden_positions(config).items():
-        steps[step], held = [], 0  # rows the verifier's host cache holds (the lm's npu goldens)
+        steps[step], host, held = [], [e.clone() for e in empty], 0  # the host's cache and the rows it holds
         for p0, n in at:
+            if p0 > held:
+                for h, r in zip(host, rows):
+                    h[:, :, :p0] = r[:, :, :p0]
+            cache = [torch.cat([h[:, :, :p0], e[:, :, p0:]], dim=2) for h, e in zip(host, empty)]  # rows before p0
             pos = (p0 + torch.arange(n)).expand(b, n)
-            cache = [torch.cat([r[:, :, :p0], e[:, :, p0:]], dim=2) for r, e in zip(rows, empty)]
             with torch.no_grad():
                 out, *presents = reference(x[:, p0:p0 + n], pos, *cache)
-            ids = "int32" if npu else "int64"
             feeds = {names[0]: x[:, p0:p0 + n].numpy().astype(ids if lm else np_dtype), "position_ids": pos.numpy().astype(ids)}
             want = {outs[0]: out.numpy()}
             if npu:
@@ -92,10 +98,17 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
             if not (lm and npu):
                 feeds |= {name: c.numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
             elif p0 > held:
-                feeds |= {name: c[:, :, :p0].numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
+                feeds |= {name: c[:, :, :p0].numpy().astype(held_dtype) for name, c in zip(names[2:], cache)}
+            for h, p in zip(host, presents):  # as the graph's dtype holds them
+                h[:, :, p0:p0 + n] = _held(p[:, :, p0:p0 + n], np_dtype)
             held = max(held, p0 + n)
             steps[step].append((feeds, want, p0 + n))
     return steps
+
+
+def _held(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """`t` as a buffer of numpy dtype `dtype` holds it, in fp32 for eager."""
+    return t.to(getattr(torch, dtype)).float()
 
 
 def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str, suffix: str, seed: int,
