@@ -3,8 +3,9 @@
 GroupQueryAttention rotates the new Q and K rows itself at positions seqlens_k - T + 1 + i,
 which are the step's positions when they are consecutive (the step contract; the
 runtime rejects anything else). Folded only when both rotations use the same cos/sin
-tables, non-interleaved over the whole head, at the positions GQA derives its own from,
-and the head size is a multiple of 16 (onnxruntime's rotary kernel).
+tables and the same form (halves, or interleaved pairs: GQA's rotary_interleaved), over the
+whole head, at the positions GQA derives its own from, and the head size is a multiple of
+16 (onnxruntime's rotary kernel).
 """
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ class FoldRoPEIntoGQA(FusionPass):
         if any(r is None or (r.domain, r.op_type) != ("com.microsoft", "RotaryEmbedding") for r in ropes):
             raise NotFused("Q and K do not both come straight from a RotaryEmbedding")
         rq, rk = ropes
-        if any(attr(r, "interleaved", 0) or attr(r, "rotary_embedding_dim", 0) or attr(r, "scale", 1.0) != 1.0 for r in ropes):
-            raise NotFused("RotaryEmbedding is interleaved, partial or scaled")
+        if any(attr(r, "rotary_embedding_dim", 0) or attr(r, "scale", 1.0) != 1.0 for r in ropes):
+            raise NotFused("RotaryEmbedding is partial or scaled")
+        interleaved = attr(rq, "interleaved", 0)
+        if attr(rk, "interleaved", 0) != interleaved:
+            raise NotFused("Q and K are rotated in different forms (one interleaved)")
         tables = [(const(r.inputs[2]), const(r.inputs[3])) for r in ropes]
         if any(t is None for pair in tables for t in pair) or not all(np.array_equal(a, b) for a, b in zip(*tables)):
             raise NotFused("Q and K are rotated with different or non-constant cos/sin tables")
@@ -42,6 +46,7 @@ class FoldRoPEIntoGQA(FusionPass):
         node.replace_input_with(0, rq.inputs[0])
         node.replace_input_with(1, rk.inputs[0])
         node.attributes["do_rotary"] = ir.AttrInt64("do_rotary", 1)
+        node.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", interleaved)
         node.resize_inputs(9)  # inputs 7 and 8: cos_cache, sin_cache
         node.replace_input_with(7, rq.inputs[2])
         node.replace_input_with(8, rq.inputs[3])
