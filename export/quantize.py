@@ -4,7 +4,7 @@
   as MatMulNBits blocks (passes/quantize_weights.py), activations fp32. A step whose quantized
   form measured slower than fp32 on this CPU keeps the fp32 graph: prefill, compute-bound, where
   MatMulNBits without VNNI runs below fp32 GEMM (make bench: int4 prefill@128 121 ms vs fp32 111,
-  int8 1.4x slower in benchmarks/quant.md). Decode, bound by bytes, is where the bits pay.
+  int8 1.4x slower in docs/quantization.md). Decode, bound by bytes, is where the bits pay.
 - `w8a16` (target `npu-w8a16`): the npu graph in QDQ form for NPU compilers (QNN HTP, OpenVINO):
   weights int8 symmetric (per output channel), activations uint16 with ranges calibrated on
   activations recorded from real forward passes, by onnxruntime's static quantizer (MinMax). The

@@ -52,7 +52,7 @@ def passes_for(target: str, fix_dims: dict[str, int] | None = None) -> list:
 
 TARGETS = ("raw", "onnx", "ort", "npu")
 # Weight-only schemes of the ort target: (bits, block size, accuracy level), chosen by measurement on this
-# machine's CPU (benchmarks/quant.md): int4 in blocks of 32 as onnxruntime-genai's int4 (its accuracy; block 128
+# machine's CPU (docs/quantization.md): int4 in blocks of 32 as onnxruntime-genai's int4 (its accuracy; block 128
 # was within noise of it in speed), int8 in blocks of 128 (15% faster decode than 32), accuracy level 4 (int8
 # compute; level 0 makes int4 3x and int8 30x slower).
 WEIGHT_ONLY = {"int4": (4, 32, 4), "int8": (8, 128, 4)}

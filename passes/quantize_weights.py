@@ -5,7 +5,7 @@ symmetric, one fp32 scale per `block_size` weights along K); activations stay fp
 attention ops around the products are left as the earlier passes made them. A decode step
 reads every weight once per token, so this is what makes it faster: 4 bits move an eighth of
 the bytes. `accuracy_level` 4 lets the kernel compute in int8 (the activations quantized per
-block on the fly), which on this CPU is what makes MatMulNBits fast (benchmarks/quant.md).
+block on the fly), which on this CPU is what makes MatMulNBits fast (docs/quantization.md).
 """
 from __future__ import annotations
 
