@@ -45,8 +45,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder [artifacts/PRESET, or artifacts/PRESET-KIND for --kind block/lm]")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and the parity inputs [0]")
     p.add_argument("--weights", metavar="PATH", help="a MiniMind state dict (.pt/.pth) to load instead of random "
-                   "weights; for --kind lm also a Hugging Face folder of a MiniMind or Qwen3ForCausalLM model "
-                   "(config.json + safetensors), whose config.json gives the dims")
+                   "weights; for --kind lm also a Hugging Face folder (config.json + safetensors), whose config.json "
+                   "gives the dims: a MiniMind or Qwen3 folder is built as the course model, any other decoder-only "
+                   "causal LM with softmax attention from transformers' own modeling code (see --source)")
     p.add_argument("--layer", type=int, metavar="N", help="with a full MiniMind checkpoint: which model.layers.N to take")
     p.add_argument("--quant", default="none", metavar="SCHEMES",
                    help="quantized targets to add, comma-separated: int4, int8 (ort: MatMulNBits weights), w8a16 "

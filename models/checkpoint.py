@@ -105,7 +105,8 @@ def _transformers_config(path: Path, cfg: dict, base: AttentionConfig) -> Attent
         raise refuse(f"multimodal ({', '.join(others)} beside the text model), not text only")
     text = hf.get_text_config(decoder=True)
     if not getattr(text, "num_attention_heads", None):
-        raise refuse("no attention model (no num_attention_heads: a state-space or recurrent model), not softmax attention")
+        raise refuse("without attention heads (no num_attention_heads: a state-space or recurrent model), not softmax "
+                     "attention")
     for field in ("layer_types", "block_types", "layers_block_type"):
         odd = sorted({str(t) for t in getattr(text, field, None) or []} - set(ATTENTION_LAYERS) - {"attention"})
         if odd:

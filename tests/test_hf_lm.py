@@ -20,6 +20,7 @@ from runtime.generate import generate
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3"]
 TARGETS = ["raw", "onnx", "ort"]
 LADDER = (16, 32)
+SLIDING = ("mistral", "gemma2", "gemma3_text")  # exported over the ladder (the others over 32 rows alone: test time)
 WINDOW = 4  # the sliding window of mistral, gemma2 and gemma3_text: much shorter than the prompts below
 COMMON = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=False,
@@ -55,9 +56,14 @@ def folder(tmp_path_factory):
     return get
 
 
+def ladder(family):
+    return LADDER if family in SLIDING else LADDER[-1:]
+
+
 @pytest.fixture(scope="module")
 def exported(folder, tmp_path_factory):
-    """exported(family) -> (folder, manifest): every target over the ladder, exported and checked once."""
+    """exported(family) -> (folder, manifest): every target (over the ladder for the sliding families), exported and
+    checked once."""
     done = {}
 
     def get(family):
@@ -65,7 +71,7 @@ def exported(folder, tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{family}-lm")
             config = preset("tiny", capacity=32, chunk=8, source="transformers")
             done[family] = out, export_model(config, out, kind="lm", weights=str(folder(family)),
-                                             targets=tuple(TARGETS), windows=LADDER, log=lambda *_: None)
+                                             targets=tuple(TARGETS), windows=ladder(family), log=lambda *_: None)
         return done[family]
     return get
 
@@ -78,15 +84,15 @@ def test_every_layer_fuses_and_tokens_match_eager(exported, family):
         assert g["attention_fused"] == ("0/2" if g["target"] == "raw" else "2/2"), g["file"]
     for target in TARGETS:
         seq = manifest["sequence_parity"]["targets"][target]
-        assert seq["top1_agreement"] == 1.0 and seq["windows"] == list(LADDER), (target, seq)
+        assert seq["top1_agreement"] == 1.0 and seq["windows"] == list(ladder(family)), (target, seq)
     print(family, {t: f"{s['max_rel']:.1e}" for t, s in manifest["sequence_parity"]["targets"].items()})
 
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_equal_transformers_generate(exported, folder, family, target):
-    """A 12-token prompt (three sliding windows long) and 10 greedy tokens: the runtime switches from the 16-row
-    graphs to the 32-row ones on the way, and every token is the one transformers' own generate picks."""
+    """A 12-token prompt (three sliding windows long) and 10 greedy tokens (the sliding families' runtime switches
+    from the 16-row graphs to the 32-row ones on the way): every token is the one transformers' own generate picks."""
     import transformers
     out, _ = exported(family)
     prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(5))
@@ -96,6 +102,18 @@ def test_greedy_tokens_equal_transformers_generate(exported, folder, family, tar
     gen = open_generator(out, target, provider="cpu")
     got = generate(gen, prompt[0].tolist(), max_new_tokens=10)["generated_ids"]
     assert got == want, (family, target, got, want)
+
+
+@pytest.mark.xfail(strict=False, reason="npu lowering of transformers' graphs is another engineer's work in progress "
+                   "(passes/lower_npu.py, runtime/drivers.py): with it, full-attention families lower 2/2; sliding "
+                   "layers' own mask input (attention_mask.sliding4) is not fed by the exporter's checks yet")
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_npu_lowers_every_layer(folder, tmp_path, family):
+    config = preset("tiny", capacity=32, chunk=8, source="transformers")
+    manifest = export_model(config, tmp_path, kind="lm", weights=str(folder(family)), targets=("npu",),
+                            log=lambda *_: None)
+    assert all(g["attention_fused"] == "2/2" for g in manifest["graphs"])
+    assert manifest["sequence_parity"]["targets"]["npu"]["top1_agreement"] == 1.0
 
 
 def test_a_qwen3_folder_is_the_course_model_unless_told(folder):
@@ -134,8 +152,8 @@ def test_batch_rows_at_different_positions(folder):
 REFUSED = {
     "t5": "encoder-decoder",
     "bart": "encoder-decoder",
-    "mamba": "no attention model",
-    "rwkv": "no attention model",
+    "mamba": "without attention heads",
+    "rwkv": "without attention heads",
     "recurrent_gemma": "hybrid with linear_attention layers",
     "jamba": "hybrid with linear_attention layers",
     "mixtral": "mixture of experts (num_experts=8)",
