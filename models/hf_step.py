@@ -30,13 +30,14 @@ import torch
 from torch import nn
 
 from .config import AttentionConfig
+from .weights import WeightsError
 
 SLIDING = "sliding_attention"
 
 
 @functools.cache
 def _step_layer_class():
-    """Defined lazily: importing transformers' cache classes costs a second, and only a Hugging Face export needs them."""
+    """Defined lazily: importing transformers' cache classes takes a second; only a Hugging Face export needs them."""
     from transformers.cache_utils import StaticLayer
 
     class StepLayer(StaticLayer):
@@ -103,7 +104,7 @@ class HFStep(nn.Module):
         return (out.logits[:, -1:], *[t for lay in cache.layers for t in (lay.keys, lay.values)])
 
     def forward_full(self, input_ids):
-        """Logits [B,S,V] at every position of input_ids [B,S], positions 0..S-1: transformers' own forward, no cache."""
+        """Logits [B,S,V] at every position of input_ids [B,S] (positions 0..S-1): transformers' forward, no cache."""
         return self.model(input_ids=input_ids, use_cache=False).logits
 
     def _masks(self, position_ids, cache):
@@ -127,8 +128,15 @@ def load_hf_step(config: AttentionConfig, folder: str | Path) -> HFStep:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # load reports (e.g. a tied lm_head missing from the file) say nothing wrong
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager",
-                                                     dtype=config.torch_dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager",
+                                                           dtype=config.torch_dtype, output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
+    found = (("missing keys", info.get("missing_keys")), ("unexpected keys", info.get("unexpected_keys")),
+             ("mis-shaped keys", info.get("mismatched_keys")))
+    misfits = [f"{what} {sorted(map(str, keys))[:4]}" + (f" (+{len(keys) - 4})" if len(keys) > 4 else "")
+               for what, keys in found if keys]
+    if misfits:  # transformers would only warn, and run with those weights random
+        raise WeightsError(f"checkpoint {folder}: the weights do not fit {type(model).__name__}: {'; '.join(misfits)}; "
+                           "expected the checkpoint its config.json describes")
     return HFStep(model).eval()

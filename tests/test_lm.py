@@ -183,7 +183,9 @@ def test_feed_ends_each_prompt_on_a_step(exported):
     (lambda cfg, st: st.update({"model.layers.1.mlp.up_proj.weight": torch.zeros(3, 64)}), r"up_proj.weight \(3, 64\)"),
     (lambda cfg, st: cfg.update(use_moe=True), "mixture of experts"),
     (lambda cfg, st: cfg.update(attention_bias=True), "attention biases"),
-    (lambda cfg, st: cfg.update(model_type="llama"), "model_type 'llama'; expected one of qwen3, minimind"),
+    # another model_type is built from transformers' own code, which refuses weights that are not its model's
+    (lambda cfg, st: cfg.update(model_type="llama"),
+     r"do not fit LlamaForCausalLM: unexpected keys \['model.layers.0.self_attn.k_norm"),
     (lambda cfg, st: cfg.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "RoPE type 'yarn'"),
     (lambda cfg, st: st.update({"lm_head.weight": torch.zeros(128, 64)}), "lm_head.weight differs"),
 ])
