@@ -6,20 +6,30 @@ The NPU step (what QNN, OpenVINO NPU and Vitis AI compile):
              past_key [B,Hkv,C,D], past_value [B,Hkv,C,D]) -> output [B,T,E], key [B,Hkv,T,D], value [B,Hkv,T,D]
 
 - RotaryEmbedding becomes x*cos + rotate_half(x)*sin with cos/sin gathered by the int32
-  positions from constant tables (the ones the graph's RotaryEmbedding held);
+  positions from constant tables (the ones the graph's RotaryEmbedding held), rotate_half
+  over halves or, for an interleaved one, over pairs;
 - RMSNormalization becomes Mul/ReduceMean/Sqrt/Div (in fp32 when it stashed fp32);
 - Attention over a TensorScatter-written cache (checked causal by position, see
   causal.py) becomes attention over Concat(past, new): query heads are grouped as
-  [B, Hkv, rep*T, D] against [B, Hkv, C+T, D], so K/V are never repeated, and the mask is
-  the `attention_mask` input, whose values the host fills with 0 or MASK_VALUE
-  (finite and fp16-safe: a fully masked row stays finite). The new K/V rows become the
+  [B, Hkv, rep*T, D] against [B, Hkv, C+T, D], so K/V are never repeated, soft-capping
+  (cap * tanh(s / cap)) comes before the mask as in the op, and the mask is the
+  `attention_mask` input, whose values the host fills with 0 or MASK_VALUE (finite and
+  fp16-safe: a fully masked row stays finite). The new K/V rows become the
   outputs `key`/`value`; the host writes them into its cache at the step's positions.
+  A layer that attends within a sliding window W (checked by the same evaluation) takes
+  its mask from its own input `attention_mask.slidingW` instead, which the host fills
+  the same way but leaves visible only the rows within W of each query's position (a
+  standard op has no window, so the mask stays an input; one input per distinct window).
+- ops whose opset-18+ form has an opset-17 equivalent are rewritten to it (reduction axes
+  as an attribute, Split's num_outputs as explicit sizes, Gelu as Erf or Tanh arithmetic).
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import onnx_ir as ir
+
+from runtime.drivers import mask_input_name
 
 from .analysis import attr, const, static_shape
 from .base import GraphPass, NotFused
@@ -39,8 +49,42 @@ def _axes_to_attribute(node: ir.Node) -> None:
     axes = const(node.inputs[1])
     if axes is None:
         raise NotFused(f"{node.name}: {node.op_type} over axes computed at run time has no opset-{OPSET} form")
+    if axes.size == 0 and attr(node, "noop_with_empty_axes", 0):
+        raise NotFused(f"{node.name}: {node.op_type} with no axes and noop_with_empty_axes has no opset-{OPSET} form")
     node.attributes["axes"] = ir.AttrInt64s("axes", [int(a) for a in axes.reshape(-1)])
+    node.attributes.pop("noop_with_empty_axes", None)  # an opset-18 attribute; with axes given it changes nothing
     node.resize_inputs(1)
+
+
+def _split_sizes_to_input(model: ir.Model, node: ir.Node) -> None:
+    """Split(num_outputs=n) (opset 18) as Split(x, sizes): chunks of ceil(L / n), the last one smaller, as opset
+    18 defines it (opset 17's Split without sizes only splits evenly)."""
+    n, shape = attr(node, "num_outputs"), static_shape(node.inputs[0])
+    if shape is None:
+        raise NotFused(f"{node.name}: Split(num_outputs) of a tensor of unknown shape has no opset-{OPSET} form")
+    length = shape[attr(node, "axis", 0)]
+    chunk = -(-length // n)
+    sizes = Builder(model, node, f"lower_npu/{node.name}").const(np.array([chunk] * (n - 1) + [length - chunk * (n - 1)],
+                                                                          np.int64), "split")
+    node.resize_inputs(2)
+    node.replace_input_with(1, sizes)
+    del node.attributes["num_outputs"]
+
+
+def _gelu_to_primitives(model: ir.Model, node: ir.Node) -> None:
+    """Gelu (opset 20) as its definition: x/2 * (1 + erf(x / sqrt 2)), or with tanh for approximate='tanh'."""
+    x = node.inputs[0]
+    shape, dtype = list(static_shape(x) or x.shape), x.dtype
+    b = Builder(model, node, f"lower_npu/{node.name}")
+    num = lambda v: b.const(np.array(v, dtype.numpy()), "gelu_const")  # noqa: E731
+    if attr(node, "approximate", "none") == "tanh":
+        cube = b.op("Mul", [b.op("Mul", [x, x], shape, dtype), x], shape, dtype)
+        inner = b.op("Add", [x, b.op("Mul", [cube, num(0.044715)], shape, dtype)], shape, dtype)
+        squashed = b.op("Tanh", [b.op("Mul", [inner, num(np.sqrt(2 / np.pi))], shape, dtype)], shape, dtype)
+    else:
+        squashed = b.op("Erf", [b.op("Div", [x, num(np.sqrt(2))], shape, dtype)], shape, dtype)
+    gate = b.op("Add", [squashed, num(1.0)], shape, dtype)
+    replace_value(node.outputs[0], b.op("Mul", [b.op("Mul", [x, num(0.5)], shape, dtype), gate], shape, dtype))
 
 
 class LowerNPU(GraphPass):
@@ -58,10 +102,12 @@ class LowerNPU(GraphPass):
         old.name = "position_ids.int64"
         pos = ir.Value(name="position_ids", shape=ir.Shape([batch, length]), type=ir.TensorType(ir.DataType.INT32))
         graph.inputs.insert(graph.inputs.index(old) + 1, pos)
-        mask = None
+        masks: dict[int, ir.Value] = {}  # sliding window (0: none) -> its host mask input
         for node in attention:
-            mask = self._attention(model, node, old, mask)
+            window = self._attention(model, node, old, masks)
             self.stats["attention"] += 1
+            if window:
+                self.stats["sliding_window"] += 1
         for node in [n for n in graph if n.op_type == "RotaryEmbedding" and n.domain == ""]:
             self._rope(model, node, old, pos)
             self.stats["rope"] += 1
@@ -76,6 +122,11 @@ class LowerNPU(GraphPass):
             self._int32_input(model, other)
         for node in [n for n in graph if n.op_type in AXES_ATTRIBUTE_BEFORE_18 and len(n.inputs) > 1]:
             _axes_to_attribute(node)
+        for node in [n for n in graph if n.op_type == "Split" and "num_outputs" in n.attributes]:
+            _split_sizes_to_input(model, node)
+        for node in [n for n in graph if n.op_type == "Gelu" and n.domain == ""]:
+            _gelu_to_primitives(model, node)
+        ir.passes.common.RemoveUnusedNodesPass()(model)
         model.opset_imports[""] = OPSET
         try:
             onnx.checker.check_model(ir.serde.serialize_model(model))
@@ -83,19 +134,22 @@ class LowerNPU(GraphPass):
             raise NotFused(f"the lowered graph is not valid at opset {OPSET}: {str(e).splitlines()[0]}") from None
         return True
 
-    def _attention(self, model, node, old_pos, mask_input):
+    def _attention(self, model, node, old_pos, masks):
         q, k, v = node.inputs[:3]
         writes = cache_writes(node)
         if writes is None:
             raise NotFused(f"{node.name}: K/V are not TensorScatter cache writes")
         (batch, heads, length, dim), (_, kv_heads, capacity, _) = static_shape(q), static_shape(k)
         mask = node.inputs[3] if len(node.inputs) > 3 else None
-        if check_cache_writes(model, writes, mask, batch, length, capacity)[0] is not old_pos:
+        pos, window = check_cache_writes(model, writes, mask, batch, length, capacity, windowed=True)
+        if pos is not old_pos:
             raise NotFused(f"{node.name}: the cache is written at another input than position_ids")
         graph, dtype, rep, total = model.graph, q.dtype, heads // kv_heads, capacity + length
-        if mask_input is None:
-            mask_input = ir.Value(name="attention_mask", shape=ir.Shape([batch, 1, length, total]), type=ir.TensorType(dtype))
-            graph.inputs.insert(graph.inputs.index(old_pos) + 2, mask_input)
+        if window not in masks:
+            masks[window] = ir.Value(name=mask_input_name(window), shape=ir.Shape([batch, 1, length, total]),
+                                     type=ir.TensorType(dtype))
+            graph.inputs.insert(graph.inputs.index(old_pos) + 1 + len(masks), masks[window])
+        mask_input = masks[window]
         b = Builder(model, node, f"{self.name}/{node.name}")
         shape = lambda *dims: b.const(np.array(dims, np.int64), "shape")  # noqa: E731
         new_k, new_v = writes[0].inputs[1], writes[1].inputs[1]
@@ -106,6 +160,11 @@ class LowerNPU(GraphPass):
         scores = b.op("MatMul", [grouped, keys_t], [batch, kv_heads, rep * length, total], dtype)
         scale = float(attr(node, "scale", dim ** -0.5))
         scores = b.op("Mul", [scores, b.const(np.array(scale, dtype.numpy()), "scale")], [batch, kv_heads, rep * length, total], dtype)
+        cap = float(attr(node, "softcap", 0.0))
+        if cap:  # logit soft-capping (Gemma-2), before the mask as the op defines it
+            capped = [batch, kv_heads, rep * length, total]
+            limit = b.const(np.array(cap, dtype.numpy()), "softcap")
+            scores = b.op("Mul", [b.op("Tanh", [b.op("Div", [scores, limit], capped, dtype)], capped, dtype), limit], capped, dtype)
         fp32 = dtype != ir.DataType.FLOAT and attr(node, "softmax_precision", 0) == int(ir.DataType.FLOAT)
         sdt = ir.DataType.FLOAT if fp32 else dtype
         five = [batch, kv_heads, rep, length, total]
@@ -127,7 +186,7 @@ class LowerNPU(GraphPass):
                 present = write.outputs[0].name
                 outputs[outputs.index(write.outputs[0])] = write.inputs[1]
                 write.inputs[1].name = present.removeprefix("present_") if present.startswith("present_") else name
-        return mask_input
+        return window
 
     def _int32_input(self, model, old: ir.Value) -> None:
         """An int64 graph input (token ids) taken as int32, what NPUs index with: gathers read it as is."""
@@ -152,27 +211,30 @@ class LowerNPU(GraphPass):
         shape = static_shape(x)
         heads = attr(node, "num_heads", 0)
         if positions is not old_pos or any(t is None for t in tables) or len(shape) != 3 or not heads \
-                or attr(node, "interleaved", 0) or attr(node, "rotary_embedding_dim", 0):
-            raise NotFused(f"{node.name}: RotaryEmbedding is not a whole-head, non-interleaved rotation at position_ids")
+                or attr(node, "rotary_embedding_dim", 0):
+            raise NotFused(f"{node.name}: RotaryEmbedding is not a whole-head rotation at position_ids")
         batch, length, width = shape
         dim, dtype = width // heads, x.dtype
+        interleaved = bool(attr(node, "interleaved", 0))
         b = Builder(model, node, f"{self.name}/{node.name}")
         shp = lambda *dims: b.const(np.array(dims, np.int64), "shape")  # noqa: E731
-        x4 = b.op("Reshape", [x, shp(batch, length, heads, dim)], [batch, length, heads, dim], dtype)
-        angles = []
-        for table in tables:
-            full = b.const(np.concatenate([table, table], axis=-1).astype(dtype.numpy()), "rope_table")
-            rows = b.op("Gather", [full, pos], [batch, length, dim], dtype, axis=0)
-            angles.append(b.op("Reshape", [rows, shp(batch, length, 1, dim)], [batch, length, 1, dim], dtype))
-        half = dim // 2
-        axis = b.const(np.array([3], np.int64), "axis")
-        first = b.op("Slice", [x4, b.const(np.array([0], np.int64), "start"), b.const(np.array([half], np.int64), "end"), axis],
-                     [batch, length, heads, half], dtype)
-        second = b.op("Slice", [x4, b.const(np.array([half], np.int64), "start"), b.const(np.array([dim], np.int64), "end"), axis],
-                      [batch, length, heads, half], dtype)
-        rotated = b.op("Concat", [b.op("Neg", [second], [batch, length, heads, half], dtype), first],
-                       [batch, length, heads, dim], dtype, axis=3)
         four = [batch, length, heads, dim]
+        x4 = b.op("Reshape", [x, shp(*four)], four, dtype)
+        angles = []
+        for table in tables:  # each angle twice, in the order the rotation pairs the elements
+            full = np.repeat(table, 2, axis=-1) if interleaved else np.concatenate([table, table], axis=-1)
+            rows = b.op("Gather", [b.const(full.astype(dtype.numpy()), "rope_table"), pos], [batch, length, dim], dtype, axis=0)
+            angles.append(b.op("Reshape", [rows, shp(batch, length, 1, dim)], [batch, length, 1, dim], dtype))
+        # halves: (x1, x2) = x[..., :D/2], x[..., D/2:]; pairs: x viewed as [..., D/2, 2], (x1, x2) = [..., 0], [..., 1]
+        parts = [batch, length, heads, dim // 2, 2] if interleaved else four
+        xs = b.op("Reshape", [x4, shp(*parts)], parts, dtype) if interleaved else x4
+        axis, half = len(parts) - 1, parts[-1] // 2
+        part = parts[:-1] + [half]
+        cut = lambda lo, hi: b.op("Slice", [xs, shp(lo), shp(hi), shp(axis)], part, dtype)  # noqa: E731
+        first, second = cut(0, half), cut(half, 2 * half)
+        rotated = b.op("Concat", [b.op("Neg", [second], part, dtype), first], parts, dtype, axis=axis)
+        if interleaved:
+            rotated = b.op("Reshape", [rotated, shp(*four)], four, dtype)
         out = b.op("Add", [b.op("Mul", [x4, angles[0]], four, dtype), b.op("Mul", [rotated, angles[1]], four, dtype)], four, dtype)
         replace_value(node.outputs[0], b.op("Reshape", [out, shp(batch, length, width)], shape, dtype))
 

@@ -12,7 +12,8 @@ GroupQueryAttention) get one buffer per cache bound as both past_* and present_*
 past_* from one set and write present_* into a second, and the sets swap each step.
 
 `HostCacheGenerator` drives `npu` graphs, which return only the new rows: the host keeps
-the caches, builds the mask, and writes the rows back.
+the caches, builds the masks (`attention_mask`, and `attention_mask.slidingW` for layers
+attending within a sliding window of W rows), and writes the rows back.
 
 A driver may hold a ladder of windows: the same steps exported over caches of W rows for a few W
 (the largest the capacity C), each attending over rows 0..W-1 only. Every step runs in the smallest
@@ -281,10 +282,11 @@ class HostCacheGenerator(Driver):
         self.caches = dict(zip(self.past, self._buffers.move(self.window, window)))
 
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
-        x, position_ids = self._inputs(session, x, p0)  # checked; the mask and caches are the driver's own
+        x, position_ids = self._inputs(session, x, p0)  # checked; the masks and caches are the driver's own
         t = position_ids.shape[1]
-        mask = host_mask(self.batch, self.window, p0, t, self.mask_value, self.cache_dtype)
-        out = self.infer(session, {self.input_name: x, "position_ids": position_ids, "attention_mask": mask, **self.caches})
+        masks = {name: host_mask(self.batch, self.window, p0, t, self.mask_value, self.cache_dtype, sliding)
+                 for name, sliding in mask_inputs(s["name"] for s in session.inputs).items()}
+        out = self.infer(session, {self.input_name: x, "position_ids": position_ids, **masks, **self.caches})
         for name, cache in self.caches.items():
             cache[:, :, p0:p0 + t] = out[name.removeprefix("past_")]
         return out[self.output_name]
@@ -294,15 +296,38 @@ class HostCacheGenerator(Driver):
         return dict(zip(session.output_names, session.session.run(session.output_names, feeds)))
 
 
-def host_mask(batch: int, capacity: int, p0: int, t: int, mask_value: float, dtype) -> np.ndarray:
-    """The npu step's attention_mask [B, 1, T, C+T]: 0 where visible, `mask_value` elsewhere."""
+SLIDING_MASK = "attention_mask.sliding"
+
+
+def mask_input_name(sliding: int) -> str:
+    """The npu step's mask input for the layers attending within `sliding` rows (0: the plain causal mask)."""
+    return f"{SLIDING_MASK}{sliding}" if sliding else "attention_mask"
+
+
+def mask_inputs(names) -> dict[str, int]:
+    """{mask input: its sliding window (0: none)} among a step's input names."""
+    names = list(names)
+    found = {n: 0 for n in names if n == "attention_mask"}
+    found.update({n: int(n.removeprefix(SLIDING_MASK)) for n in names if n.startswith(SLIDING_MASK)})
+    return found
+
+
+def host_mask(batch: int, capacity: int, p0: int, t: int, mask_value: float, dtype, sliding: int = 0) -> np.ndarray:
+    """The npu step's attention_mask [B, 1, T, C+T]: 0 where visible, `mask_value` elsewhere. With `sliding` = W
+    (attention_mask.slidingW), query p0+i sees only the rows within W of it: positions p0+i-W+1 .. p0+i."""
     mask = np.full((batch, 1, t, capacity + t), mask_value, dtype)
-    mask[..., :p0] = 0
-    mask[..., capacity:] = _causal(t, mask_value, np.dtype(dtype))
+    if sliding:
+        distance = p0 + np.arange(t)[:, None] - np.arange(p0)[None]
+        mask[..., :p0] = np.where(distance < sliding, 0, mask_value)
+    else:
+        mask[..., :p0] = 0
+    mask[..., capacity:] = _causal(t, mask_value, np.dtype(dtype), sliding)
     return mask
 
 
 @functools.cache
-def _causal(t: int, mask_value: float, dtype: np.dtype) -> np.ndarray:
+def _causal(t: int, mask_value: float, dtype: np.dtype, sliding: int = 0) -> np.ndarray:
     """The mask among a step's own T rows: the same every step, so made once."""
-    return np.where(np.tri(t, dtype=bool), 0, mask_value).astype(dtype)
+    i, j = np.arange(t)[:, None], np.arange(t)[None]
+    keep = (j <= i) & ((i - j < sliding) if sliding else True)
+    return np.where(keep, 0, mask_value).astype(dtype)
