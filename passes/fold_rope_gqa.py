@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import attr, const, graph_input_ancestors, static_shape
+from .analysis import MOVEMENT_OPS, attr, const, graph_input_ancestors, static_shape
 from .base import FusionPass, NotFused, Skip
 
 
@@ -26,7 +26,10 @@ class FoldRoPEIntoGQA(FusionPass):
             raise Skip
         ropes = [x.producer() for x in node.inputs[:2]]
         if any(r is None or (r.domain, r.op_type) != ("com.microsoft", "RotaryEmbedding") for r in ropes):
-            raise NotFused("Q and K do not both come straight from a RotaryEmbedding")
+            if not any(_rotated_in_part(x) for x in node.inputs[:2]):
+                raise Skip  # a layer without RoPE (SmolLM3's, EXAONE-4's NoPE layers): nothing to fold
+            raise NotFused("Q and K do not both come straight from a RotaryEmbedding (a partial rotary, rotating "
+                           "only the leading dims of each head, is not folded)")
         rq, rk = ropes
         if any(attr(r, "rotary_embedding_dim", 0) or attr(r, "scale", 1.0) != 1.0 for r in ropes):
             raise NotFused("RotaryEmbedding is partial or scaled")
@@ -50,6 +53,22 @@ class FoldRoPEIntoGQA(FusionPass):
         node.resize_inputs(9)  # inputs 7 and 8: cos_cache, sin_cache
         node.replace_input_with(7, rq.inputs[2])
         node.replace_input_with(8, rq.inputs[3])
+
+
+def _rotated_in_part(value: ir.Value) -> bool:
+    """Whether a RotaryEmbedding feeds `value` through data movement, slices and concats only (partial rotary:
+    Concat(rotated leading dims, the rest))."""
+    stack, seen = [value], set()
+    while stack:
+        node = stack.pop().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op_type == "RotaryEmbedding":
+            return True
+        if node.op_type in MOVEMENT_OPS | {"Concat", "Slice", "Split"}:
+            stack.extend(v for v in node.inputs if v is not None)
+    return False
 
 
 def _positions_match(gqa: ir.Node, positions: ir.Value) -> bool:
