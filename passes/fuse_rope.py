@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import const, evaluator, graph_input_ancestors, sample_positions, scalar, static_shape
+from .analysis import MOVEMENT_OPS, const, evaluator, graph_input_ancestors, sample_positions, scalar, static_shape
 from .base import FusionPass, NotFused, Skip
 from .build import Builder, replace_value
 
@@ -186,6 +186,8 @@ def _tables(model, cos, sin, pos, batch, length, dim, layout, interleaved):
         rows = [np.broadcast_to(t, (length, dim)) for t in rows]
         return tuple(_angles(t, interleaved) for t in rows)
     capacity = _table_rows(model, cos)
+    if capacity < length:
+        raise NotFused(f"cos/sin table of {capacity} positions is shorter than the {length} queries")
     tables = [np.zeros((capacity, dim), np.float64) for _ in range(2)]
     run = evaluator(model, [pos], [cos, sin])
     for p0 in range(0, capacity, length):
@@ -221,7 +223,8 @@ def _angles(table: np.ndarray, interleaved: bool) -> np.ndarray:
 
 def _table_rows(model: ir.Model, value: ir.Value) -> int:
     """How many positions the table behind `value` holds: the rows of the constant it gathers from, else the rows
-    of the caches ([B, Hkv, C, D] float inputs), which the positions index (the evaluation then checks each)."""
+    of the caches ([B, Hkv, C, D] float inputs a scatter writes), which the positions index (the evaluation then
+    checks each row)."""
     stack, seen = [value], set()
     while stack:
         v = stack.pop()
@@ -232,9 +235,27 @@ def _table_rows(model: ir.Model, value: ir.Value) -> int:
         if node.op_type in ("Gather", "GatherND") and const(node.inputs[0]) is not None:
             return int(static_shape(node.inputs[0])[0])
         stack.extend(node.inputs)
-    caches = [v.shape[2] for v in model.graph.inputs if v.dtype is not None and v.dtype.is_floating_point()
-              and static_shape(v) is not None and len(v.shape) == 4]
+    caches = [static_shape(v)[2] for v in model.graph.inputs if _is_written_cache(v)]
     if not caches:
         raise NotFused("cos/sin are computed from the positions, not gathered from a table, and no [B, Hkv, C, D] "
-                       "cache input bounds the positions")
+                       "cache input written by a scatter bounds the positions")
     return max(caches)
+
+
+SCATTERS = ("ScatterND", "ScatterElements", "TensorScatter")
+
+
+def _is_written_cache(value: ir.Value) -> bool:
+    """A 4D float graph input that reaches the data input of a scatter through data movement only: a cache the
+    step writes at its positions (a 4D input that is only read, such as x itself, bounds nothing)."""
+    shape = static_shape(value)
+    if shape is None or len(shape) != 4 or value.dtype is None or not value.dtype.is_floating_point():
+        return False
+    stack = [value]
+    while stack:
+        for user, index in stack.pop().uses():
+            if index == 0 and user.op_type in SCATTERS:
+                return True
+            if index == 0 and user.op_type in MOVEMENT_OPS:
+                stack.extend(user.outputs)
+    return False

@@ -200,3 +200,23 @@ def test_sliding_host_mask():
     assert np.array_equal(got, want)
     assert mask_inputs(["input_ids", "attention_mask", "attention_mask.sliding4"]) == {"attention_mask": 0,
                                                                                         "attention_mask.sliding4": 4}
+
+
+class _NoCache(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids):
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+def test_rope_without_cache_says_why():
+    """cos/sin computed from a positions input with no cache: nothing bounds the positions, so no table is made."""
+    model = _NoCache(hf_model("llama"))
+    args = (torch.zeros(1, T, dtype=torch.int64), torch.arange(T)[None])
+    report = {p["pass"]: p for p in run_pipeline(export_module(model, args, ["input_ids", "position_ids"], ["logits"]),
+                                                 "onnx")["passes"]}
+    assert report["fuse_rope"]["stats"] == {"fused": 0, "unfused": 4}, report["fuse_rope"]
+    assert all("no [B, Hkv, C, D] cache input" in n["reason"] for n in report["fuse_rope"]["not_matched"])
+    assert report["fuse_attention"]["stats"]["fused"] == 2
