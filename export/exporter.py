@@ -22,7 +22,7 @@ from passes.model_io import save
 from passes.pipeline import TARGETS, run_pipeline
 from passes.static_shapes import check_static
 from runtime.artifacts import open_generator
-from runtime.drivers import HostCacheGenerator
+from runtime.drivers import HostCacheGenerator, mask_inputs
 from runtime import accuracy
 from runtime.metrics import Budget, why_not
 from runtime.parity import TOLERANCE, reference_model, sequence_parity, step_parity, token_parity, worst
@@ -184,7 +184,8 @@ def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report:
         raise LintError(f"{path.name}: {len(violations)} npu lint violation(s): {rules}; e.g. "
                         + "; ".join(f"{v.rule}: {v.node} ({v.op}): {v.message}" for v in first.values()))
     t = step_len(config, step)
-    io = npu_io_specs(config, t, kind) if base == "npu" else io_specs(config, t, kind)
+    io = npu_io_specs(config, t, kind, tuple(mask_inputs(v.name for v in graph.graph.inputs))) if base == "npu" \
+        else io_specs(config, t, kind)
     session = StepSession(path, io["inputs"], io["outputs"], provider="cpu")
     mask = quantize.mask_value(target)
     runner = HostCacheGenerator(session, session, mask) if base == "npu" else session

@@ -57,8 +57,10 @@ def io_specs(config: AttentionConfig, seq_len: int, kind: str = "attention") -> 
     }
 
 
-def npu_io_specs(config: AttentionConfig, seq_len: int, kind: str = "attention") -> dict:
-    """The `npu` step: int32 ids and positions, the host's additive mask over [past C rows, new T rows],
+def npu_io_specs(config: AttentionConfig, seq_len: int, kind: str = "attention",
+                 masks: tuple[str, ...] = ("attention_mask",)) -> dict:
+    """The `npu` step: int32 ids and positions, the host's additive masks over [past C rows, new T rows] (`masks`:
+    the plain causal one, and one per sliding window its layers attend within, as the lowered graph reads them),
     every layer's new rows out (key/value, or key.i/value.i)."""
     spec = io_specs(config, seq_len, kind)
     float_t = "float16" if config.dtype == "fp16" else "float32"
@@ -67,7 +69,7 @@ def npu_io_specs(config: AttentionConfig, seq_len: int, kind: str = "attention")
     for s in inputs[:2]:
         if s["dtype"] == "int64":
             s["dtype"] = "int32"
-    inputs.insert(2, {"name": "attention_mask", "shape": [b, 1, seq_len, c + seq_len], "dtype": float_t})
+    inputs[2:2] = [{"name": m, "shape": [b, 1, seq_len, c + seq_len], "dtype": float_t} for m in masks]
     spec["outputs"][1:] = [{"name": n, "shape": [b, kv, seq_len, d], "dtype": float_t}
                            for n in cache_names(config, kind, "")]
     return spec
