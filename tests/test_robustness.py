@@ -108,3 +108,26 @@ def test_output_is_checked_before_any_work(tmp_path, capsys):
     assert captured.out == "" and "folder" in captured.err and "does not exist" in captured.err
     assert main([str(raw), str(tmp_path), "--target", "ort"]) == 1
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_cleanup_keeps_a_tiny_epsilon():
+    """onnxscript's add_0 rule matches |c| <= 1e-8 and deleted Helium's RMSNorm epsilon (1e-8): a zero row divided
+    by zero. Cleanup keeps it, and the graph stays finite on a zero row."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from passes.cleanup import Cleanup
+    eps = helper.make_tensor("eps", TensorProto.FLOAT, [], [1e-8])
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "x"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["ms"], keepdims=1),
+         helper.make_node("Add", ["ms", "eps"], ["var"]), helper.make_node("Sqrt", ["var"], ["rms"]),
+         helper.make_node("Div", ["x", "rms"], ["y"])],
+        "rms", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [eps])
+    model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    Cleanup()(model)
+    assert [n.op_type for n in model.graph].count("Add") == 1
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    assert np.isfinite(session.run(None, {"x": np.zeros((1, 4), np.float32)})[0]).all()
+    onnx.checker.check_model(ir.serde.serialize_model(model))
