@@ -277,15 +277,22 @@ class HostCacheGenerator(Driver):
         self.mask_value = mask_value
         self._buffers = CacheBuffers(self)
         self.caches = dict(zip(self.past, self._buffers.view(self.window)))
+        self._mask_windows: dict[StepSession, dict[str, int]] = {}
 
     def _move(self, window: int) -> None:
         self.caches = dict(zip(self.past, self._buffers.move(self.window, window)))
+
+    def _masks_of(self, session: StepSession) -> dict[str, int]:
+        """The mask inputs `session`'s graph reads and their windows, parsed once per session (_step is the hot path)."""
+        if session not in self._mask_windows:
+            self._mask_windows[session] = mask_inputs(s["name"] for s in session.inputs)
+        return self._mask_windows[session]
 
     def _step(self, session: StepSession, x: np.ndarray, p0: int) -> np.ndarray:
         x, position_ids = self._inputs(session, x, p0)  # checked; the masks and caches are the driver's own
         t = position_ids.shape[1]
         masks = {name: host_mask(self.batch, self.window, p0, t, self.mask_value, self.cache_dtype, sliding)
-                 for name, sliding in mask_inputs(s["name"] for s in session.inputs).items()}
+                 for name, sliding in self._masks_of(session).items()}
         out = self.infer(session, {self.input_name: x, "position_ids": position_ids, **masks, **self.caches})
         for name, cache in self.caches.items():
             cache[:, :, p0:p0 + t] = out[name.removeprefix("past_")]
