@@ -15,7 +15,8 @@ Two graph shapes mean exactly that:
   alone (transformers builds it from arange and comparisons): it is evaluated.
 
 Soft-capping carries over (GQA's `softcap`). Anything else stays a standard Attention,
-which onnxruntime also runs.
+which onnxruntime also runs: an encoder's self-attention (no mask, not causal, no cache) is
+named as such first.
 """
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ from .causal import cache_writes, causal_window, check_cache_writes
 from .build import Builder, replace_value
 
 
+# Checked before anything else: whatever else the op holds, this alone keeps it a standard Attention.
+NOT_CAUSAL = ("not causal: no mask, is_causal=0 and no cache write (an encoder's bidirectional self-attention); "
+              "GroupQueryAttention always masks causally, so it stays a standard Attention, which onnxruntime runs")
+
+
 class LowerToGQA(FusionPass):
     name = "lower_gqa"
     candidate_ops = ("Attention",)
@@ -35,6 +41,8 @@ class LowerToGQA(FusionPass):
     def fuse(self, model: ir.Model, node: ir.Node) -> None:
         q, k, v = node.inputs[:3]
         mask = node.inputs[3] if len(node.inputs) > 3 else None
+        if mask is None and not attr(node, "is_causal", 0) and cache_writes(node) is None:
+            raise NotFused(NOT_CAUSAL)
         _check_expressible(node, q, k, v)
         (batch, heads, length, dim), kv_heads = static_shape(q), static_shape(k)[1]
         b = Builder(model, node, f"{self.name}/{node.name}")
@@ -106,6 +114,6 @@ def _check_cache_free(model: ir.Model, node: ir.Node, mask, length: int, kv_leng
         raise NotFused(f"K/V have {kv_length} rows for {length} queries and no cache write: not a causal prefill")
     if mask is None:
         if not attr(node, "is_causal", 0):
-            raise NotFused("no mask and is_causal=0: GroupQueryAttention always masks causally")
+            raise NotFused(NOT_CAUSAL)
         return 0
     return causal_window(model, mask, length)

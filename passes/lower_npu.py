@@ -94,7 +94,10 @@ class LowerNPU(GraphPass):
         graph = model.graph
         old = next((v for v in graph.inputs if v.name == "position_ids"), None)
         if old is None or old.dtype != ir.DataType.INT64:
-            raise NotFused("no int64 position_ids input: not a step-contract graph")
+            encoder = [n for n in graph if n.op_type == "Attention" and n.domain == "" and cache_writes(n) is None]
+            raise NotFused("no int64 position_ids input: not a step-contract graph" + (
+                f" ({len(encoder)} Attention op(s) without a cache write, as an encoder's: the npu form is a decoder "
+                "step over a host-owned cache and mask, so they stay the onnx target's Attention)" if encoder else ""))
         attention = [n for n in graph if n.op_type == "Attention" and n.domain == ""]
         if not attention:
             raise NotFused("no fused Attention to lower (run the onnx pipeline first)")
