@@ -36,9 +36,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("output", help="where to write the rewritten graph")
     p.add_argument("--target", required=True, choices=TARGETS + tuple(f"ort-{q}" for q in WEIGHT_ONLY),
                    help="what the attention becomes; ort-int4/ort-int8 also quantize the linear layers' weights")
-    p.add_argument("--fix-dims", type=_pins, default={}, metavar="NAME=VALUE,...",
+    p.add_argument("--fix-dims", type=_pins, default={}, metavar="NAME=VALUE|INPUT.AXIS=VALUE,...",
                    help="pin symbolic dims by name (e.g. batch_size=1,sequence_length=128); names that say batch, "
-                        "sequence, past or total length get defaults (1, 128, 128, past + sequence), reported")
+                        "sequence, past or total length get defaults (1, 128, 128, past + sequence), reported. A dim "
+                        "the graph left unnamed ([1, None]) is pinned by input name and axis: input_ids.1=16 (dim "
+                        "names never contain a dot, so a key with one is INPUT.AXIS, split at its last dot); a dim "
+                        "left dynamic is reported by fix_dims with the exact flag that pins it")
     p.add_argument("--report", metavar="FILE.json", help="write per-pass statistics, matches and non-matches (with why)")
     p.add_argument("--require-fusion", action="store_true",
                    help="fail when an attention-shaped subgraph (Softmax between two MatMuls) or a K/V repeat is left")

@@ -1,5 +1,9 @@
 """fix_dims: pin the graph inputs' symbolic dims by name, so a graph from a dynamic exporter becomes static.
 
+A dim the graph left unnamed (onnxscript's `INT64[1, None]`) has no name to pin: it is pinned by input and axis,
+`--fix-dims input_ids.1=16`. Dim names are identifiers, so a key with a dot is always INPUT.AXIS (split at the
+last dot). A dim left dynamic is reported with the exact flag that would pin it.
+
 Exporters write symbolic dims (`batch_size`, `sequence_length`, Optimum's
 `past_sequence_length + 1`, torch's `s0`); the fusions need numbers. Each name is pinned to
 the value asked for (`--fix-dims NAME=VALUE,...`) or, for names that say what they are, a
@@ -47,23 +51,92 @@ def names(model: ir.Model) -> list[str]:
 
 
 def parse_pins(text: str) -> dict[str, int]:
-    """'batch=1,seq=128' -> {'batch': 1, 'seq': 128}."""
+    """'batch=1,seq=128,input_ids.1=16' -> {'batch': 1, 'seq': 128, 'input_ids.1': 16}.
+
+    A key with a dot pins one dim of one input by position, INPUT.AXIS (split at the last dot, so an input
+    named `input.1` is `input.1.0`): the way to pin a dim the graph left unnamed (`[1, None]`). Dim names
+    are identifiers (see `names`), so the two kinds of key cannot be confused."""
     pins = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit() or int(value) <= 0:
-            raise FixDimsError(f"--fix-dims {item!r}: expected NAME=VALUE with a positive integer VALUE")
-        pins[name.strip()] = int(value)
+        name, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or not name or not re.fullmatch(r"[+-]?\d+", value):
+            raise FixDimsError(f"--fix-dims {item!r}: expected NAME=VALUE or INPUT.AXIS=VALUE with a positive "
+                               "integer VALUE")
+        if int(value) <= 0:
+            raise FixDimsError(f"--fix-dims {item!r}: VALUE must be a positive integer, got {int(value)}")
+        if "." in name:
+            source, _, axis = name.rpartition(".")
+            if not source or not axis.isdigit():
+                raise FixDimsError(f"--fix-dims {item!r}: expected INPUT.AXIS=VALUE with AXIS a non-negative "
+                                   "integer (a dim name has no dot)")
+            name = f"{source}.{int(axis)}"
+        if pins.get(name, int(value)) != int(value):
+            raise FixDimsError(f"--fix-dims {name}: pinned twice, to {pins[name]} and {int(value)}")
+        pins[name] = int(value)
     return pins
 
 
+def axis_pins(model: ir.Model, pins: dict[str, int]) -> dict[tuple[str, int], int]:
+    """The INPUT.AXIS pins, checked against the graph: {(input, axis): value}. Only an unnamed dynamic dim, or a
+    static one of the same value, can be pinned by position; a named dim is pinned by its name."""
+    inputs = {v.name: v for v in model.graph.inputs}
+    out = {}
+    for key, value in pins.items():
+        if "." not in key:
+            continue
+        source, _, axis = key.rpartition(".")
+        axis, flag = int(axis), f"--fix-dims {key}={value}"
+        if source not in inputs:
+            raise FixDimsError(f"{flag}: the graph has no input named {source!r}; its inputs are {list(inputs)}")
+        shape = inputs[source].shape
+        if shape is None:
+            raise FixDimsError(f"{flag}: input {source!r} declares no shape, so it has no axis {axis} to pin")
+        if axis >= len(shape):
+            raise FixDimsError(f"{flag}: axis {axis} is out of range for input {source!r} of rank {len(shape)} "
+                               f"(shape {_shape(shape)}, axes 0..{len(shape) - 1})")
+        d = shape[axis]
+        if isinstance(d, int):
+            if d != value:
+                raise FixDimsError(f"{flag}: axis {axis} of input {source!r} is already static, {d} (shape "
+                                   f"{_shape(shape)}); only a dynamic dim can be pinned")
+            continue
+        if d.value:
+            raise FixDimsError(f"{flag}: axis {axis} of input {source!r} is the named dim {d.value!r}; pin it by "
+                               f"name: --fix-dims {_by_name(d.value, value)}")
+        out[(source, axis)] = value
+    return out
+
+
 def check_pins(model: ir.Model, pins: dict[str, int]) -> None:
-    """Every pinned name must be a symbolic dim of the graph."""
+    """Every pinned name must be a symbolic dim of the graph, every INPUT.AXIS an unnamed dynamic dim of an input."""
     known = names(model)
-    unknown = [n for n in pins if n not in known]
+    unknown = [n for n in pins if "." not in n and n not in known]
     if unknown:
+        hint = _unnamed_hint(model) or ("" if known else " (it is static)")
         raise FixDimsError(f"--fix-dims {', '.join(unknown)}: no input dim has that name; "
-                           f"the graph's symbolic dims are {known or 'none (it is static)'}")
+                           f"the graph's symbolic dims are {known or 'none'}{hint}")
+    axis_pins(model, pins)
+
+
+def _by_name(expr: str, value: int) -> str:
+    """The NAME=VALUE pins for a named dim: its own value for a plain name, VALUE for each name of an expression."""
+    found = _names(expr)
+    return f"{expr}={value}" if found == [expr] else ",".join(f"{n}=VALUE" for n in found)
+
+
+def _names(expr: str) -> list[str]:
+    return list(dict.fromkeys(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", expr)))
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) if isinstance(d, int) else repr(d.value) if d.value else "None" for d in shape) + "]"
+
+
+def _unnamed_hint(model: ir.Model) -> str:
+    unnamed = [f"{v.name}.{i}" for v in model.graph.inputs for i, d in enumerate(v.shape or ())
+               if isinstance(d, ir.SymbolicDim) and not d.value]
+    flag = ",".join(f"{u}=VALUE" for u in unnamed)
+    return f"; its unnamed dynamic dims are pinned by input and axis: --fix-dims {flag}" if unnamed else ""
 
 
 def default(name: str, all_names: list[str]) -> int | None:
@@ -105,31 +178,43 @@ class FixDims(GraphPass):
         super().__init__()
         self.pins = dict(pins)
         self.pinned: dict[str, str] = {}
+        self.left: list[str] = []  # the input dims left dynamic, and the flags that would pin them
+        self.flags: list[str] = []
 
     def summary(self) -> str:
         pinned = ", ".join(f"{k}={v}" for k, v in self.pinned.items())
-        return super().summary() + (f" [{pinned}]" if pinned else "")
+        left = f"left dynamic: {', '.join(self.left)}; pin with --fix-dims {','.join(self.flags)}" if self.left else ""
+        extra = "; ".join(x for x in (pinned, left) if x)
+        return super().summary() + (f" [{extra}]" if extra else "")
 
     def report(self) -> dict:
-        return super().report() | {"pinned": self.pinned}
+        return super().report() | {"pinned": self.pinned, "left_dynamic": self.left,
+                                   "suggest": f"--fix-dims {','.join(self.flags)}" if self.flags else None}
 
     def run(self, model: ir.Model) -> bool:
         known = names(model)
-        values, self.pinned = {}, {}
+        by_axis = axis_pins(model, self.pins)
+        values, self.pinned, self.left, self.flags = {}, {}, [], []
         for n in known:
             value = self.pins.get(n, default(n, known))
             if value is not None:
                 values[n] = value
                 self.pinned[n] = f"{value}" + ("" if n in self.pins else " (default)")
+        self.pinned.update({f"{name}.{axis}": f"{value}" for (name, axis), value in by_axis.items()})
         pinned = 0
         for v in model.graph.inputs:
             dims = list(v.shape or ())
             for i, d in enumerate(dims):
                 if isinstance(d, ir.SymbolicDim):
-                    value = dim_value(d.value, values) if d.value else None
+                    value = dim_value(d.value, values) if d.value else by_axis.get((v.name, i))
                     if value is None or value <= 0:
+                        # the exact flag: a named dim by its (unpinned) names, an unnamed one by input and axis
+                        flags = [f"{n}=VALUE" for n in _names(d.value) if n not in values] if d.value \
+                            else [f"{v.name}.{i}=VALUE"]
+                        self.left.append(f"{v.name}.{i} ({d.value or 'unnamed'})")
+                        self.flags += [f for f in flags if f not in self.flags]
                         self.notes.append({"node": v.name, "op": "input", "reason": f"dim {i} ({d.value or 'unnamed'}) "
-                                           "left symbolic; pin it with --fix-dims NAME=VALUE"})
+                                           f"left symbolic; pin it with --fix-dims {','.join(flags) or 'NAME=VALUE'}"})
                     else:
                         dims[i], pinned = value, pinned + 1
             if v.shape is not None and any(isinstance(d, ir.SymbolicDim) for d in v.shape):
