@@ -206,13 +206,18 @@ def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report:
 
 
 def _lm_extras(weights: str | None, tmp: Path) -> dict:
-    """End-of-sequence ids and the tokenizer (copied beside the graphs) of a Hugging Face folder."""
+    """End-of-sequence ids of a Hugging Face folder, and its tokenizer files (tokenizer.json, tokenizer_config.json, the
+    chat template, ...) and generation_config.json copied beside the graphs: the export folder is what
+    `runtime.generate --chat/--prompt` loads with transformers' AutoTokenizer (runtime/text.py)."""
+    from runtime.text import TOKENIZER_FILES
     if weights is None or not Path(weights).is_dir():
         return {"eos_token_ids": []}
     found = folder_extras(weights)
-    if found["tokenizer"] is not None:
-        shutil.copyfile(found["tokenizer"], tmp / "tokenizer.json")
-    return {"eos_token_ids": found["eos_token_ids"], "tokenizer": "tokenizer.json" if found["tokenizer"] else None}
+    copied = [name for name in TOKENIZER_FILES if (Path(weights) / name).is_file()]
+    for name in copied:
+        shutil.copyfile(Path(weights) / name, tmp / name)
+    return {"eos_token_ids": found["eos_token_ids"], "tokenizer": "tokenizer.json" if found["tokenizer"] else None,
+            "tokenizer_files": copied}
 
 
 def _check_fused(graph: ir.Model, report: dict, target: str, layers: int, what: str) -> str:

@@ -1,4 +1,5 @@
-"""Text generation with an exported whole model: python -m runtime.generate FOLDER [--target ...] --prompt-ids 1,2,3
+"""Text generation with an exported whole model: python -m runtime.generate FOLDER [--target ...] --chat TEXT
+(or --prompt TEXT, or --prompt-ids 1,2,3)
 
 The prompt is fed in chunks (its last token the last row of a step, so that step's logits
 are the next token's), then one decode step per new token, over caches the runtime owns
@@ -6,6 +7,10 @@ are the next token's), then one decode step per new token, over caches the runti
 the way MiniMind's own `generate` does: repetition penalty, temperature, top-k, top-p
 (nucleus), from a seeded generator. Generation stops at an end-of-sequence token, after
 `max_new_tokens`, or when the cache is full (a clear stop, not an error).
+
+Text goes through the tokenizer the export copied from the Hugging Face folder (runtime/text.py, transformers'
+AutoTokenizer): `--chat` wraps a user message in the folder's chat template, `--prompt` encodes plain text, and the
+generated tokens are printed as text while they come (ids, where the folder has no tokenizer).
 """
 from __future__ import annotations
 
@@ -14,13 +19,13 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from .artifacts import ArtifactError, load_manifest, open_generator
 from .cli import Parser, run
 from .drivers import Driver
+from .text import TextError, TextStream, chat_ids, has_tokenizer, load_tokenizer, prompt_ids
 
 
 @dataclass(frozen=True)
@@ -112,9 +117,12 @@ def parser() -> Parser:
                    help="which graphs run; the quantized ones where the export wrote them (--quant) [ort]")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", type=_ids, metavar="1,2,3", help="the prompt as token ids")
-    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as text (needs a tokenizer)")
-    p.add_argument("--tokenizer", metavar="tokenizer.json",
-                   help="a Hugging Face tokenizer.json [FOLDER/tokenizer.json when the export copied one]")
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as plain text (needs a tokenizer)")
+    prompt.add_argument("--chat", metavar="MESSAGE", help="a user message, wrapped in the tokenizer's chat template "
+                        "with the assistant's turn opened (needs a tokenizer with a chat template)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="a folder with Hugging Face tokenizer files, or one tokenizer.json [FOLDER, when the export "
+                        "copied the tokenizer]")
     p.add_argument("--max-new-tokens", type=int, default=32, help="stop after this many new tokens [32]")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; above 0 samples [0]")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0: all [0]")
@@ -139,14 +147,21 @@ def _main(args) -> int:
         raise ArtifactError(f"{args.folder}: an export of kind {manifest.get('kind')!r}; expected the whole model "
                             "(python -m export --kind lm)")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
-    tokenizer = _tokenizer(args, manifest)
-    prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt).ids
+    tokenizer = _tokenizer(args)
+    if args.chat is not None:
+        prompt = chat_ids(tokenizer, args.chat, args.tokenizer or args.folder)
+    elif args.prompt is not None:
+        prompt = prompt_ids(tokenizer, args.prompt)
+    else:
+        prompt = args.prompt_ids
+    if not prompt:
+        raise ValueError("empty prompt; expected at least one token")
     vocab = manifest["config"]["vocab_size"]
     if any(not 0 <= t < vocab for t in prompt):
         raise ValueError(f"prompt ids {prompt[:8]}...: expected ids in 0..{vocab - 1}")
     driver = open_generator(args.folder, args.target, provider=args.provider, threads=args.threads)
     eos = tuple(args.eos if args.eos is not None else manifest["lm"].get("eos_token_ids", []))
-    stream = _Stream(tokenizer)
+    stream = TextStream(tokenizer, eos) if tokenizer is not None else _IdStream()
     result = generate(driver, prompt, args.max_new_tokens, sampling, eos, on_token=stream)
     stream.end()
     print(f"{len(result['generated_ids'])} tokens ({result['stop']}): time to first token "
@@ -156,35 +171,24 @@ def _main(args) -> int:
     return 0
 
 
-def _tokenizer(args, manifest):
-    path = args.tokenizer or (Path(args.folder) / "tokenizer.json" if (Path(args.folder) / "tokenizer.json").is_file()
-                              else None)
-    if path is None:
-        if args.prompt is not None:
-            raise ValueError("--prompt needs a tokenizer: pass --tokenizer tokenizer.json (or use --prompt-ids)")
-        return None
-    from tokenizers import Tokenizer
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:
-        raise ValueError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({str(e).strip()[:120]})") from None
+def _tokenizer(args):
+    """The tokenizer (--tokenizer, else the export folder's), or None for --prompt-ids where there is none."""
+    text = "--chat" if args.chat is not None else "--prompt" if args.prompt is not None else None
+    if args.tokenizer is not None:
+        return load_tokenizer(args.tokenizer)
+    if has_tokenizer(args.folder):
+        return load_tokenizer(args.folder)
+    if text:
+        raise TextError(f"{text} needs a tokenizer; {args.folder} has none (export from a Hugging Face folder with "
+                        "tokenizer.json, or pass --tokenizer PATH), or give the prompt as --prompt-ids")
+    return None
 
 
-class _Stream:
-    """Prints tokens as they come: text through the tokenizer, else ids."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+class _IdStream:
+    """Prints token ids as they come, where there is no tokenizer."""
 
     def __call__(self, token: int) -> None:
-        self.ids.append(token)
-        if self.tokenizer is None:
-            print(token, end=" ", flush=True)
-            return
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            print(text[len(self.shown):], end="", flush=True)
-            self.shown = text
+        print(token, end=" ", flush=True)
 
     def end(self) -> None:
         print(flush=True)
