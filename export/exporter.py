@@ -30,7 +30,7 @@ from runtime.session import StepSession
 
 from .atomic import staged_dir, write_json
 from . import quantize, windows as ladders
-from .manifest import build_manifest
+from .manifest import attention_layers, build_manifest
 from .torch_export import DEFAULT_OPSET, to_onnx
 from .weights_file import NAME as WEIGHTS_FILE, WeightsFile
 
@@ -99,6 +99,8 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
         if store is not None:
             weights_info |= {"file": WEIGHTS_FILE, "bytes": store.close()}
             extras = _lm_extras(weights, tmp)
+        if kind == "lm":
+            extras["attention"] = attention_layers(model.attention_windows())
         for target in dict.fromkeys(g["target"] for g in graphs):
             sequence[target] = _sequence_parity(model, config, kind, graphs, target, tmp, seed)
             sequence[target]["windows"] = [g["window"] for g in graphs if g["target"] == target and g["step"] == "decode"]

@@ -15,8 +15,17 @@ LM = {
     "logits": "logits [B,1,V] of the step's last position only: a prompt is fed so that its last token is the last "
               "row of a step (a partial chunk first, right-padded; a prompt shorter than T as a padded chunk of all "
               "but its last token, then a decode step); see runtime/drivers.py Driver.feed",
-    "generation": "python -m runtime.generate FOLDER --target {raw,onnx,ort,npu} --prompt-ids 1,2,3",
+    "generation": "python -m runtime.generate FOLDER --target {raw,onnx,ort,npu} --chat TEXT | --prompt TEXT (with the "
+                  "tokenizer files copied beside the graphs) | --prompt-ids 1,2,3",
 }
+
+
+def attention_layers(windows: list[int | None]) -> dict:
+    """lm.attention: which layers are local (attend within a sliding window) and their windows."""
+    return {"windows": windows, "local_layers": [i for i, w in enumerate(windows) if w],
+            "rule": "windows[i] is layer i's sliding window W: its query at position p attends to rows p-W+1..p only "
+                    "(its cache still holds every row; npu graphs take that band as input attention_mask.slidingW); "
+                    "null: causal over every cached row"}
 
 
 def build_manifest(config: AttentionConfig, kind: str, name: str, opset: int, graphs: list[dict],

@@ -103,6 +103,11 @@ class HFStep(nn.Module):
                          attention_mask=self._masks(position_ids, past[0]), **keep)
         return (out.logits[:, -1:], *[t for lay in cache.layers for t in (lay.keys, lay.values)])
 
+    def attention_windows(self) -> list[int | None]:
+        """Each layer's sliding window W (it attends over the last W positions), or None (causal over the cache)."""
+        window = getattr(self.text_config, "sliding_window", None)
+        return [window if local else None for local in self.sliding]
+
     def forward_full(self, input_ids):
         """Logits [B,S,V] at every position of input_ids [B,S] (positions 0..S-1): transformers' forward, no cache."""
         return self.model(input_ids=input_ids, use_cache=False).logits

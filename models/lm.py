@@ -54,6 +54,10 @@ class MiniMindForCausalLM(nn.Module):
             presents += [key, value]
         return (self.lm_head(self.model.norm(h[:, -1:])), *presents)
 
+    def attention_windows(self) -> list[None]:
+        """No sliding windows: every MiniMind layer attends over its whole cache."""
+        return [None] * len(self.model.layers)
+
     def forward_cat(self, input_ids, position_ids, past=None):
         """Logits [B, 1, V] at the last position and every layer's grown (K, V) ([B, S, Hkv, D] each)."""
         h = self.model.embed_tokens(input_ids)

@@ -22,6 +22,8 @@ TARGETS = ["raw", "onnx", "ort", "npu"]
 LADDER = (16, 32)
 SLIDING = ("mistral", "gemma2", "gemma3_text")  # exported over the ladder (the others over 32 rows alone: test time)
 WINDOW = 4  # the sliding window of mistral, gemma2 and gemma3_text: much shorter than the prompts below
+# Which layers are local: Mistral's all; Gemma 2's even layers by its default layer_types, Gemma 3's as set below.
+LOCAL = {"mistral": [WINDOW, WINDOW], "gemma2": [WINDOW, None], "gemma3_text": [WINDOW, None]}
 COMMON = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=False,
               initializer_range=0.5)  # large weights: greedy tokens are not near ties
@@ -85,6 +87,9 @@ def test_every_layer_fuses_and_tokens_match_eager(exported, family):
     for target in TARGETS:
         seq = manifest["sequence_parity"]["targets"][target]
         assert seq["top1_agreement"] == 1.0 and seq["windows"] == list(ladder(family)), (target, seq)
+    local = LOCAL.get(family, [None, None])  # the manifest says which layers attend within a window
+    assert manifest["lm"]["attention"]["windows"] == local, manifest["lm"]["attention"]
+    assert manifest["lm"]["attention"]["local_layers"] == [i for i, w in enumerate(local) if w]
     print(family, {t: f"{s['max_rel']:.1e}" for t, s in manifest["sequence_parity"]["targets"].items()})
 
 
