@@ -24,12 +24,13 @@ from export.windows import default as ladder
 from runtime.artifacts import load_manifest
 from runtime.cli import Parser, run
 from models import build_model, checksum, preset
+from models.checkpoint import save_hf_folder
 
 from .engines import ENGINES, onnxscript_file
 from .limits import gemm_rate, read_bandwidth
 from .peers import build_genai
 from .report import markdown, plot
-from .workloads import GENAI, KINDS, workloads
+from .workloads import GENAI, HF, KINDS, QUANT, workloads
 
 TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
           "quick": {"min_reps": 8, "min_seconds": 0.2, "max_seconds": 1.0}}
@@ -47,13 +48,18 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
-def prepare(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Path]:
+def prepare(config, kind: str, folder: Path, engines: list[str], quantized: bool = False) -> dict[str, Path]:
     """Export the model's graphs and every raw graph (each window's) through optimize_for_ort, unless this config was
     exported by this code already; for the whole model, onnxruntime-genai's builds of the same weights that the
-    engines asked for, unless built from weights with the same checksum. Returns the folders each engine reads."""
+    engines asked for, unless built from weights with the same checksum, and the ort graphs exported from transformers'
+    own modeling code (ort-ort-hf). Returns the folders each engine reads."""
     genai = [e for e in engines if e in GENAI] if kind == "lm" else []
+    hf = [e for e in engines if e in HF] if kind == "lm" else []
     stamp = folder / "fingerprint"
-    quant = ("int4", "int8", "w8a16") if kind == "lm" else ()  # w8a16 for benchmarks.accuracy
+    # the quantized targets (w8a16 for benchmarks.accuracy) only where an engine or the caller runs them: they are
+    # most of the whole model's export time
+    quantized = kind == "lm" and (quantized or any(e in QUANT for e in engines))
+    quant = ("int4", "int8", "w8a16") if quantized else ()
     fingerprint = json.dumps({"config": config.to_dict(), "quant": quant, "windows": ladder(config),
                               "code": code_fingerprint()})
     if not (stamp.exists() and stamp.read_text() == fingerprint):
@@ -65,7 +71,22 @@ def prepare(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Pa
         stamp.write_text(fingerprint)
     if genai:
         prepare_genai(build_model(config, "lm", seed=0), folder, genai)
-    return {kind: folder} | {e: folder / e for e in genai}
+    if hf:
+        prepare_transformers(config, folder, folder / hf[0])
+    return {kind: folder} | {e: folder / e for e in genai + hf}
+
+
+def prepare_transformers(config, folder: Path, out: Path) -> None:
+    """The same weights (seed 0) as a Qwen3 folder, exported from transformers' Qwen3ForCausalLM over the same window
+    ladder (ort target only), unless exported so by this code already."""
+    stamp = out / "fingerprint"
+    fingerprint = json.dumps({"config": config.to_dict(), "windows": ladder(config), "code": code_fingerprint()})
+    if stamp.exists() and stamp.read_text() == fingerprint:
+        return
+    weights = save_hf_folder(build_model(config, "lm", seed=0), folder / "hf")
+    export_model(config.replace(source="transformers"), out, kind="lm", weights=str(weights), targets=("ort",),
+                 windows=ladder(config), log=lambda *_: None)
+    stamp.write_text(fingerprint)
 
 
 def prepare_genai(model, folder: Path, engines: list[str]) -> None:

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
 
 def measure_all(args) -> int:
     config, out = preset(args.preset), Path(args.out)
-    folders = prepare(config, "lm", out / ".work" / f"{args.preset}-lm", list(PEERS))
+    folders = prepare(config, "lm", out / ".work" / f"{args.preset}-lm", list(PEERS), quantized=True)
     model = reference_model(build_model(config, "lm", seed=0))
     prompts = accuracy.prompt_set(config)
     refs = accuracy.references(model, prompts)

@@ -1,6 +1,6 @@
 """The engines: eager PyTorch three ways, onnxruntime on four graphs of the same model, and for the whole
-model our int4/int8 ort graphs and onnxruntime-genai (its model builder's fp32 and int4 builds of the same
-weights).
+model our int4/int8 ort graphs, the ort graphs exported from transformers' Qwen3ForCausalLM holding the same
+weights (ort-ort-hf), and onnxruntime-genai (its model builder's fp32 and int4 builds of the same weights).
 
 Every engine runs the same step (same weights, seed 0) with the same thread count.
 onnxruntime engines run through the runtime's Generator, whose caches stay bound in place
@@ -21,9 +21,9 @@ from runtime.artifacts import graph_entry, load_manifest, open_generator, window
 from runtime.drivers import Driver, Generator
 from runtime.session import StepSession
 
-from .workloads import GENAI, ORT, QUANT, SINGLE, TORCH, Workload
+from .workloads import GENAI, HF, ORT, QUANT, SINGLE, TORCH, Workload
 
-ENGINES = TORCH + ORT + SINGLE + QUANT + GENAI
+ENGINES = TORCH + ORT + SINGLE + QUANT + HF + GENAI
 
 
 class Unavailable(RuntimeError):
@@ -91,6 +91,8 @@ class Engine:
             options = {"provider": "cpu", "threads": self.threads, "profile": self.profile}
             if target == "onnxscript":
                 self._generators[kind] = onnxscript_generator(self.folders[kind], **options)
+            elif self.name in HF:
+                self._generators[kind] = open_generator(self.folders[self.name], "ort", **options)
             else:
                 self._generators[kind] = open_generator(self.folders[kind], target,
                                                         ladder=not self.name.endswith("-single"), **options)

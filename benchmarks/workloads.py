@@ -17,6 +17,9 @@ ORT = ("ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort", "ort-npu")  # the ort
 SINGLE = ("ort-onnx-single", "ort-npu-single")  # the same graphs over all C rows, as before the ladder
 GENAI = ("genai-fp32", "genai-int4")
 QUANT = ("ort-ort-int4", "ort-ort-int8")  # the whole model's quantized ort targets (export --quant int4,int8)
+# The same weights written as a Qwen3 folder and exported from transformers' own Qwen3ForCausalLM (--source
+# transformers), its ort graphs: what the passes make of code nobody wrote for them, beside the course model's.
+HF = ("ort-ort-hf",)
 # Bits read per weight, one fp32 scale per 32 weights included (the embedding's Gather reads one row a token).
 WEIGHT_BITS = {"ort-ort-int4": 5, "genai-int4": 5, "ort-ort-int8": 9}
 QUICK_LM = ("torch-eager", "ort-ort", "ort-ort-int4", "genai-fp32", "genai-int4")
@@ -37,7 +40,7 @@ class Workload:
     def engines(self) -> tuple[str, ...]:
         if self.kind != "lm":
             return TORCH + ORT + SINGLE
-        return QUICK_LM if self.quick else TORCH + ORT + SINGLE + QUANT + GENAI
+        return QUICK_LM if self.quick else TORCH + ORT + SINGLE + QUANT + HF + GENAI
 
     def seq_len(self, c: AttentionConfig) -> int:
         """Tokens the workload processes."""

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES_RUN = ("torch-eager", "ort-onnxscript", "ort-ort", "ort-npu-single", "genai-fp32")
 
@@ -109,3 +111,31 @@ def test_genai_builds_are_rebuilt_when_the_weights_change(tmp_path, monkeypatch)
     bench.prepare_genai(build_model(config, "lm", seed=0), tmp_path, ["genai-fp32"])  # same weights: reused
     bench.prepare_genai(build_model(config, "lm", seed=1), tmp_path, ["genai-fp32"])  # files exist, weights differ
     assert built == [["genai-fp32"], ["genai-fp32"]]
+
+
+def test_transformers_sourced_engine_runs_the_same_weights(tmp_path, monkeypatch):
+    # ort-ort-hf is only a fair comparison if it computes what ort-ort computes: the same weights, through
+    # transformers' Qwen3ForCausalLM; a folder of other weights (planted: seed 1) must show in the logits
+    import benchmarks.__main__ as bench
+    from benchmarks.engines import Engine
+    from benchmarks.workloads import Workload
+    from export import export_model
+    from models import preset
+    from runtime.metrics import TOLERANCE, close, error
+    config = preset("tiny", capacity=32, chunk=8)
+    export_model(config, tmp_path / "course", kind="lm", targets=("ort",), log=lambda *_: None)
+    bench.prepare_transformers(config, tmp_path, tmp_path / "ort-ort-hf")
+    folders = {"lm": tmp_path / "course", "ort-ort-hf": tmp_path / "ort-ort-hf"}
+    steps = [Workload("lm", "prefill", 24), Workload("lm", "decode", 20)]
+
+    def outputs(name):
+        engine = Engine(name, config, folders, threads=1)
+        return [np.asarray(engine.runner(w)()) for w in steps]
+    course = outputs("ort-ort")
+    for got, want in zip(outputs("ort-ort-hf"), course):
+        assert close(error(got, want), TOLERANCE["fp32"]), error(got, want)
+    seeded = bench.build_model
+    monkeypatch.setattr(bench, "build_model", lambda c, kind, seed=0: seeded(c, kind, seed=1))
+    (tmp_path / "ort-ort-hf" / "fingerprint").unlink()
+    bench.prepare_transformers(config, tmp_path, tmp_path / "ort-ort-hf")
+    assert not any(close(error(got, want), TOLERANCE["fp32"]) for got, want in zip(outputs("ort-ort-hf"), course))
