@@ -6,6 +6,7 @@ the manifest last: a manifest on disk means its graphs passed.
 """
 from __future__ import annotations
 
+import functools
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -25,12 +26,14 @@ from runtime.artifacts import open_generator
 from runtime.drivers import HostCacheGenerator, mask_inputs
 from runtime import accuracy
 from runtime.metrics import Budget, why_not
-from runtime.parity import TOLERANCE, reference_model, sequence_parity, step_parity, token_parity, worst
+from runtime.parity import (TOLERANCE, StepCase, reference_model, sequence_parity, step_case, step_parity, token_parity,
+                            worst)
 from runtime.session import StepSession
 
 from .atomic import staged_dir, write_json
 from . import quantize, windows as ladders
 from .manifest import attention_layers, build_manifest
+from .progress import Progress
 from .torch_export import DEFAULT_OPSET, to_onnx
 from .weights_file import NAME as WEIGHTS_FILE, WeightsFile
 
@@ -78,22 +81,37 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
     config = model_config(config, kind, weights)
     ladder = ladders.check(tuple(windows) or (config.capacity,), config)
     model = build_model(config, kind, seed, weights, layer)
+    reference = reference_model(model)
     graphs, sequence, floats = [], {}, {}
+    ort_targets = targets + tuple(quantize.target(q) for q in quant if quantize.SCHEMES[q].base == "ort")
+    qdq = [q for q in quant if quantize.SCHEMES[q].base == "npu"]
+    progress = Progress(len(ladder) * len(STEPS) * len(ort_targets) + len(qdq) * len(STEPS), log)
     with staged_dir(out_dir) as tmp:
         store = WeightsFile(tmp) if kind == "lm" or len(ladder) > 1 else None
         for window in ladder:
             cw = config.replace(capacity=window)
-            build = lambda graph, report, step, target, cw=cw: _publish(  # noqa: E731
-                model, cw, kind, graph, report, step, target, tmp, seed, store, ladders.suffix(cw.capacity, config))
+            # eager's outputs for this window's parity cases, computed once and shared by every target
+            cases = functools.cache(lambda step, cw=cw: [step_case(reference, cw, step_len(cw, step), p0, seed, kind)
+                                                         for p0 in parity_cases(cw, step)])
+
+            def build(graph, report, step, target, cw=cw, cases=cases):
+                with progress.stage("checks"):
+                    entry = _publish(cases(step), cw, kind, graph, report, step, target, tmp, store,
+                                     ladders.suffix(cw.capacity, config))
+                progress.graph(_graph_line(entry))
+                return entry
             for step in STEPS:
-                exported = to_onnx(model, cw, step_len(cw, step), opset, kind)
-                for target in targets + tuple(quantize.target(q) for q in quant if quantize.SCHEMES[q].base == "ort"):
-                    graph, report = _pipeline(exported, target if _quantized(target, step) else quantize.split(target)[0])
-                    if target == "npu" and window == config.capacity and any(quantize.SCHEMES[q].base == "npu" for q in quant):
+                with progress.stage("trace"):
+                    exported = to_onnx(model, cw, step_len(cw, step), opset, kind)
+                for target in ort_targets:
+                    with progress.stage("passes"):
+                        graph, report = _pipeline(exported, target if _quantized(target, step) else quantize.split(target)[0])
+                    if target == "npu" and window == config.capacity and qdq:
                         floats[step] = (ir.serde.deserialize_model(ir.serde.serialize_model(graph)), report)
                     graphs.append(build(graph, report, step, target))
-        for q in (q for q in quant if quantize.SCHEMES[q].base == "npu"):  # over C rows only: calibration is slow
-            graphs += _qdq_graphs(q, graphs, floats, tmp, config, kind, build)
+        for q in qdq:  # over C rows only: calibration is slow
+            with progress.stage("calibration"):
+                graphs += _qdq_graphs(q, graphs, floats, tmp, config, kind, build)
         weights_info = {"source": weights or f"random(seed={seed})", "layer": layer, "checksum": checksum(model)}
         extras = {}
         if store is not None:
@@ -102,17 +120,16 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
         if kind == "lm":
             extras["attention"] = attention_layers(model.attention_windows())
         for target in dict.fromkeys(g["target"] for g in graphs):
-            sequence[target] = _sequence_parity(model, config, kind, graphs, target, tmp, seed)
+            with progress.stage("sequence parity"):
+                sequence[target] = _sequence_parity(model, config, kind, graphs, target, tmp, seed)
             sequence[target]["windows"] = [g["window"] for g in graphs if g["target"] == target and g["step"] == "decode"]
+            log(f"{target}: sequence parity {sequence[target]['max_rel']:.1e} ({progress.elapsed():.0f} s)")
         if quant:
-            extras["quantization"] = _quantization(model, config, kind, graphs, quant, tmp)
+            with progress.stage("quantized accuracy"):
+                extras["quantization"] = _quantization(model, config, kind, graphs, quant, tmp)
         manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, sequence, weights_info, extras, ladder)
         write_json(tmp / "manifest.json", manifest)
-    for g in graphs:
-        fusions = "; ".join(f"{p['pass']}: " + ", ".join(f"{v} {k}" for k, v in p["stats"].items())
-                            for p in g["passes"] if p["pass"] not in ("cleanup", "upgrade_opset") and any(p["stats"].values()))
-        log(f"wrote {out_dir / g['file']} ({g['bytes'] / 1e6:.1f} MB): parity vs eager max abs {g['parity']['max_abs']:.1e}"
-            + (f", attention fused {g['attention_fused']}" if g["target"] != "raw" else "") + (f" | {fusions}" if fusions else ""))
+    log(f"wrote {out_dir}: {len(graphs)} graphs")
     if store is not None:
         log(f"wrote {out_dir / WEIGHTS_FILE} ({weights_info['bytes'] / 1e6:.1f} MB): every graph's weights, each stored once")
     first = next(g for g in graphs if g["step"] == "prefill" and g["window"] == config.capacity)
@@ -129,7 +146,16 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
             log(f"{t} accuracy vs fp32 eager ({len(a['prompts'])} prompts + {a['decode_steps']} steps): max rel "
                 f"{a['max_rel']:.3f}, mean rel {a['mean_rel']:.3f}, KL {a['kl_mean']:.2e}, top-1 {a['top1']:.0%}, "
                 f"greedy {a['greedy_match']:.0%}")
+    log(progress.summary())
     return manifest
+
+
+def _graph_line(g: dict) -> str:
+    """A checked graph as the log shows it: its size, parity, fusion and what each fusing pass did."""
+    fusions = "; ".join(f"{p['pass']}: " + ", ".join(f"{v} {k}" for k, v in p["stats"].items())
+                        for p in g["passes"] if p["pass"] not in ("cleanup", "upgrade_opset") and any(p["stats"].values()))
+    return (f"{g['file']} ({g['bytes'] / 1e6:.1f} MB): parity vs eager max rel {g['parity']['max_rel']:.1e}"
+            + (f", attention fused {g['attention_fused']}" if g["target"] != "raw" else "") + (f" | {fusions}" if fusions else ""))
 
 
 def _quantized(target: str, step: str) -> bool:
@@ -165,8 +191,8 @@ def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config
     return out
 
 
-def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report: dict, step: str, target: str,
-             tmp: Path, seed: int, store: WeightsFile | None, suffix: str = "") -> dict:
+def _publish(cases: list[StepCase], config: AttentionConfig, kind: str, graph: ir.Model, report: dict, step: str,
+             target: str, tmp: Path, store: WeightsFile | None, suffix: str = "") -> dict:
     """Save the target's graph over `config.capacity` rows (named with `suffix`), and check it before it counts."""
     base, scheme = quantize.split(target)
     fused = _check_fused(graph, report, base, config.num_layers if kind == "lm" else 1, f"{step}.{target}{suffix}")
@@ -191,10 +217,10 @@ def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report:
     session = StepSession(path, io["inputs"], io["outputs"], provider="cpu")
     mask = quantize.mask_value(target)
     runner = HostCacheGenerator(session, session, mask) if base == "npu" else session
-    # A quantized graph's ranges are calibrated on real K/V rows, so its steps read caches eager filled from a real
-    # prefix; random rows fall outside those ranges (tiny w8a16 decode measured 0.42 on them, 0.09 on prefilled ones).
-    cases = [step_parity(model, runner, config, t, p0, seed, kind, prefix=bool(scheme)) for p0 in parity_cases(config, step)]
-    err, held = worst(cases), _budget(config, target)
+    # The caches hold eager's rows for a real prefix (runtime/parity.step_case): a quantized graph's ranges were
+    # calibrated on real rows too (tiny w8a16 decode measured 0.42 on random rows, 0.09 on prefilled ones).
+    results = [step_parity(case, runner, config) for case in cases]
+    err, held = worst(results), _budget(config, target)
     _check(err, held, f"{path.name}: step parity")
     return {"step": step, "target": target, "window": config.capacity, "file": path.name, "external_data": data,
             "bytes": path.stat().st_size + ((tmp / data).stat().st_size if data and store is None else 0),
@@ -202,8 +228,8 @@ def _publish(model, config: AttentionConfig, kind: str, graph: ir.Model, report:
             **({"host_cache": {"mask_value": mask}} if base == "npu" else {}),
             **({"quantized": _quantized(target, step)} if scheme else {}),
             "parity": {"reference": "eager PyTorch, fp32", "tolerance": held.max_rel, **err,
-                       **({"caches": "rows before p0 eager's own, from a random prefix"} if scheme else {}),
-                       "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel")} for c in cases]},
+                       "caches": "rows before p0 eager's own, from a random prefix",
+                       "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel")} for c in results]},
             "passes": report["passes"]}
 
 

@@ -6,6 +6,7 @@ graph is measured against the truth, not against another fp16 computation.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,21 +25,42 @@ def within(err: dict, dtype: str) -> bool:
 
 
 def reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model in fp32, in eval mode: itself when it is fp32 already (a copy of a billion-parameter model is
+    gigabytes), else an upcast copy (Module.float() converts in place, so the graphs' own model stays as it is)."""
+    if all(p.dtype == torch.float32 for p in model.parameters()):
+        return model.eval()
     return copy.deepcopy(model).float().eval()
 
 
-def step_parity(model, runner: StepSession | HostCacheGenerator, config: AttentionConfig, seq_len: int, p0: int,
-                seed: int = 0, kind: str = "attention", prefix: bool = False) -> dict:
-    """One step at positions p0..p0+T-1; the output (the LM's logits: KL and top-1 beside the normwise error) and
-    the written cache rows.
+@dataclass(frozen=True)
+class StepCase:
+    """One step's inputs at positions p0..p0+T-1 and eager fp32's outputs for them: computed once, then every
+    target's graph of that step is held to it."""
+    kind: str
+    p0: int
+    seq_len: int
+    args: tuple
+    ref: tuple
 
-    The caches are random, or with `prefix` hold before p0 eager's own K/V for a random prefix (prefilled_inputs),
-    the ranges a quantized graph was calibrated on. `runner` is a step-contract session, or the host-cache driver
-    of an `npu` graph (its caches set to the same rows). Rows after the last written one are unspecified by the
-    contract, so they are not compared.
-    """
-    args = prefilled_inputs(model, config, seq_len, p0, seed, kind) if prefix else \
-        example_inputs(config, seq_len, p0, seed, kind)
+
+def step_case(reference: torch.nn.Module, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
+              kind: str = "attention") -> StepCase:
+    """The case at p0 for `reference` (an fp32 eager model: reference_model). The cache rows before p0 hold what eager
+    writes reading a random prefix (prefilled_inputs), as a cache only ever holds rows the model wrote: a trained
+    model amplifies random rows far outside its range (SmolLM2-135M's deep layers: value rows off by 1e-4 between
+    onnxruntime and torch on random rows, 2e-6 on real ones)."""
+    args = prefilled_inputs(reference, config, seq_len, p0, seed, kind)
+    with torch.no_grad():
+        ref = reference(*[a.float() if a.is_floating_point() else a for a in args])
+    return StepCase(kind, p0, seq_len, args, tuple(ref))
+
+
+def step_parity(case: StepCase, runner: StepSession | HostCacheGenerator, config: AttentionConfig) -> dict:
+    """`runner` on the case's inputs against its eager outputs: the output (the LM's logits: KL and top-1 beside the
+    normwise error) and the written cache rows. `runner` is a step-contract session, or the host-cache driver of an
+    `npu` graph (its caches set to the same rows). Rows after the last written one are unspecified by the contract,
+    so they are not compared."""
+    kind, p0, seq_len, args = case.kind, case.p0, case.seq_len, case.args
     names, outs = input_names(config, kind), output_names(config, kind)
     if isinstance(runner, HostCacheGenerator):
         for name, a in zip(names[2:], args[2:]):
@@ -47,15 +69,13 @@ def step_parity(model, runner: StepSession | HostCacheGenerator, config: Attenti
         got = {outs[0]: out} | {"present_" + n.removeprefix("past_"): runner.caches[n] for n in names[2:]}
     else:
         got = runner.run({name: a.numpy() for name, a in zip(names, args)})
-    with torch.no_grad():
-        ref = reference_model(model)(*[a.float() if a.is_floating_point() else a for a in args])
     live = p0 + seq_len
-    errs = {outs[0]: (logit_error if kind == "lm" else error)(got[outs[0]], ref[0].numpy())}
-    errs |= {n: error(got[n][:, :, :live], r[:, :, :live].numpy()) for n, r in zip(outs[1:], ref[1:])}
+    errs = {outs[0]: (logit_error if kind == "lm" else error)(got[outs[0]], case.ref[0].numpy())}
+    errs |= {n: error(got[n][:, :, :live], r[:, :, :live].numpy()) for n, r in zip(outs[1:], case.ref[1:])}
     return {"p0": p0, **worst(list(errs.values())), "per_output": errs}
 
 
-def prefilled_inputs(model, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
+def prefilled_inputs(reference: torch.nn.Module, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
                      kind: str = "attention") -> tuple:
     """example_inputs, but the cache rows before p0 are what eager PyTorch writes reading a random prefix of p0
     positions (real K/V rows, in the ranges a real sequence gives); later rows stay random (the step may not read them)."""
@@ -64,7 +84,7 @@ def prefilled_inputs(model, config: AttentionConfig, seq_len: int, p0: int, seed
         return args
     prefix = example_inputs(config, p0, 0, seed + 1, kind)  # from position 0, so it reads only the rows it writes
     with torch.no_grad():
-        written = reference_model(model)(*[a.float() if a.is_floating_point() else a for a in prefix])[1:]
+        written = reference(*[a.float() if a.is_floating_point() else a for a in prefix])[1:]
     caches = [torch.cat([w[:, :, :p0].to(c.dtype), c[:, :, p0:]], dim=2) for w, c in zip(written, args[2:])]
     return (*args[:2], *caches)
 

@@ -2,7 +2,7 @@
 import pytest
 
 from runtime import cuda_available, open_generator, open_step
-from runtime.parity import sequence_parity, step_parity, within
+from runtime.parity import reference_model, sequence_parity, step_case, step_parity, within
 
 pytestmark = pytest.mark.skipif(not cuda_available(),
                                 reason="this onnxruntime offers no CUDAExecutionProvider (CPU-only build or no GPU)")
@@ -14,7 +14,8 @@ def test_step_parity_on_cuda(exported, dtype):
     for step, t in (("prefill", art.config.chunk), ("decode", 1)):
         session = open_step(art.folder, step, provider="cuda")
         assert session.on_cuda
-        err = step_parity(art.model(), session, art.config, t, p0=art.config.capacity - t)
+        err = step_parity(step_case(reference_model(art.model()), art.config, t, p0=art.config.capacity - t), session,
+                          art.config)
         assert within(err, dtype), err
 
 

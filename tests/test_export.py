@@ -71,7 +71,9 @@ def test_cli_exports(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
-    assert len(lines) == 9 and "prefill.raw.onnx" in lines[0] and "parity vs eager max abs" in lines[0]
+    # a line per graph as it is checked ([k/8]), a sequence-parity line per target, the folder, the manifest, the time
+    assert len(lines) == 15 and lines[0].startswith("[1/8] prefill.raw.onnx") and "parity vs eager max rel" in lines[0]
+    assert lines[-1].startswith("time: ") and "trace" in lines[-1] and "passes" in lines[-1]
     assert "fuse_attention: 1 fused, 0 unfused" in lines[1] and "lower_gqa: 1 fused, 0 unfused" in lines[2]
     m = json.loads((out / "manifest.json").read_text())
     assert m["graphs"][0]["inputs"][0]["shape"] == [1, 16, 64]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runtime.drivers import HostCacheGenerator
-from runtime.parity import TOLERANCE, sequence_parity, step_parity, within
+from runtime.parity import TOLERANCE, reference_model, sequence_parity, step_case, step_parity, within
 
 CONFIGS = {
     "gqa": {},
@@ -35,7 +35,7 @@ def test_step_parity(exported, kind, name, step, target):
     model, session, c = art.model(), runner(art, step, target), art.config
     t = c.chunk if step == "prefill" else 1
     for p0 in (0, 7, c.capacity - t):  # empty cache, mid-cache, the last rows
-        err = step_parity(model, session, c, t, p0, seed=p0)
+        err = step_parity(step_case(reference_model(model), c, t, p0, seed=p0), session, c)
         print(f"{kind}/{name}/{step}/{target} p0={p0}: max abs {err['max_abs']:.2e}, rel {err['max_rel']:.2e}")
         assert within(err, c.dtype), err
         if c.dtype == "fp32":
