@@ -1,9 +1,10 @@
 """Quantized targets: what each `--quant` scheme is, and the QDQ graphs NPU toolchains compile.
 
 - `int4`, `int8` (target `ort-int4`, `ort-int8`): the ort graph with its linear layers' weights
-  as MatMulNBits blocks (passes/quantize_weights.py), activations fp32. A step whose quantized
-  form measured slower than fp32 on this CPU keeps the fp32 graph: prefill, compute-bound, where
-  MatMulNBits without VNNI runs below fp32 GEMM (make bench: int4 prefill@128 121 ms vs fp32 111,
+  as MatMulNBits blocks (int4: passes/quantize_blocks.py, a scale and a minimum per 32 weights, the
+  lm_head int8; int8: onnxruntime's symmetric quantizer, passes/quantize_weights.py), activations
+  fp32. A step whose quantized form measured slower than fp32 on this CPU keeps the fp32 graph:
+  prefill, compute-bound, where MatMulNBits without VNNI runs below fp32 GEMM (make bench: int4 prefill@128 121 ms vs fp32 111,
   int8 1.4x slower in docs/quantization.md). Decode, bound by bytes, is where the bits pay.
 - `w8a16` (target `npu-w8a16`): the npu graph in QDQ form for NPU compilers (QNN HTP, OpenVINO):
   weights int8 symmetric (per output channel), activations uint16 with ranges calibrated on
@@ -30,7 +31,6 @@ from runtime.drivers import HostCacheGenerator
 from runtime.metrics import Budget
 
 from passes.lower_npu import MASK_VALUE
-from passes.pipeline import WEIGHT_ONLY
 from passes.quantize_weights import constant_weights, ort_quantization, quiet
 
 
@@ -51,11 +51,14 @@ class Scheme:
 #          top-1 88% (minimind; tiny 97%)
 #   w8a16: max_rel 0.24 (minimind decode step over an empty cache; prefill step 0.16, sequence 0.16, accuracy 0.11;
 #          tiny 0.13), KL mean 1.5e-3 (minimind; tiny 1.0e-3), top-1 82% (minimind; tiny 96%)
-_WEIGHT_ONLY = ("weights int{0} (MatMulNBits, symmetric, block {1}, accuracy level {2}), activations fp32; prefill "
-                "keeps fp32 weights (measured faster)")
+_PREFILL = "activations fp32; prefill keeps fp32 weights (measured faster)"
 SCHEMES = {
-    "int4": Scheme("ort", ("decode",), Budget(0.7, kl_mean=0.1, top1=0.25), _WEIGHT_ONLY),
-    "int8": Scheme("ort", ("decode",), Budget(0.1, kl_mean=2e-3, top1=0.75), _WEIGHT_ONLY),
+    "int4": Scheme("ort", ("decode",), Budget(0.7, kl_mean=0.1, top1=0.25),
+                   "weights int4 in blocks of 32 with a scale and a minimum each (llama.cpp's Q4_1 grid; MatMulNBits plus "
+                   "each block's input sum times its minimum), the lm_head int8 symmetric in blocks of 32 (Q8_0), "
+                   f"accuracy level 4; {_PREFILL}"),
+    "int8": Scheme("ort", ("decode",), Budget(0.1, kl_mean=2e-3, top1=0.75),
+                   f"weights int8 (MatMulNBits, symmetric, block 128, accuracy level 4); {_PREFILL}"),
     "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=4e-3, top1=0.6),
                     "QDQ: weights int8 symmetric per output channel, activations uint16 asymmetric per tensor, "
                     "MinMax-calibrated"),
@@ -121,8 +124,7 @@ def tolerance(target: str, float_tolerance: float) -> float:
 
 def describe(scheme: str) -> dict:
     s = SCHEMES[scheme]
-    what = s.what.format(*WEIGHT_ONLY[scheme]) if scheme in WEIGHT_ONLY else s.what
-    return {"scheme": scheme, "base": s.base, "what": what, "budget_max_rel": s.budget.max_rel,
+    return {"scheme": scheme, "base": s.base, "what": s.what, "budget_max_rel": s.budget.max_rel,
             "budget_kl_mean": s.budget.kl_mean, "budget_top1": s.budget.top1, "quantized_steps": list(s.quantized_steps)}
 
 

@@ -22,6 +22,7 @@ from .fuse_rope import FuseRoPE
 from .lower_gqa import LowerToGQA
 from .lower_npu import LowerNPU
 from .pack_matmuls import PackMatMuls
+from .quantize_blocks import QuantizeBlocks
 from .quantize_weights import QuantizeWeights
 from .upgrade_opset import UpgradeOpset
 
@@ -43,19 +44,19 @@ def passes_for(target: str, fix_dims: dict[str, int] | None = None) -> list:
         "ort": lambda: front() + fuse("ort") + [LowerToGQA(), Cleanup(), FoldRoPEIntoGQA(), PackMatMuls(), Cleanup()],
     }
     pipelines["npu"] = lambda: pipelines["onnx"]() + [LowerNPU(), Cleanup()]
-    for scheme, (bits, block_size, accuracy_level) in WEIGHT_ONLY.items():
-        pipelines[f"ort-{scheme}"] = lambda q=(bits, block_size, accuracy_level): pipelines["ort"]() + [QuantizeWeights(*q)]
+    for scheme, quantizer in WEIGHT_ONLY.items():
+        pipelines[f"ort-{scheme}"] = lambda q=quantizer: pipelines["ort"]() + [q()]
     if target not in pipelines:
         raise ValueError(f"unknown target {target!r}: expected one of {', '.join(pipelines)}")
     return pipelines[target]()
 
 
 TARGETS = ("raw", "onnx", "ort", "npu")
-# Weight-only schemes of the ort target: (bits, block size, accuracy level), chosen by measurement on this
-# machine's CPU (docs/quantization.md): int4 in blocks of 32 as onnxruntime-genai's int4 (its accuracy; block 128
-# was within noise of it in speed), int8 in blocks of 128 (15% faster decode than 32), accuracy level 4 (int8
-# compute; level 0 makes int4 3x and int8 30x slower).
-WEIGHT_ONLY = {"int4": (4, 32, 4), "int8": (8, 128, 4)}
+# Weight-only schemes of the ort target, chosen by measurement on this machine's CPU (docs/quantization.md): int4 in
+# blocks of 32 with a minimum per block (quantize_blocks.py: a trained checkpoint's Q4_1 weights held exactly; the
+# lm_head int8), int8 in blocks of 128 by onnxruntime's symmetric quantizer (15% faster decode than 32); accuracy
+# level 4 (int8 compute; level 0 makes int4 3x and int8 30x slower).
+WEIGHT_ONLY = {"int4": lambda: QuantizeBlocks(accuracy_level=4), "int8": lambda: QuantizeWeights(8, 128, 4)}
 
 
 def run_pipeline(model: ir.Model, target: str, dump_dir: str | Path | None = None, log=None,
