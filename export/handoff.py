@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
 
-from models import AttentionConfig, build_model, preset
+from models import AttentionConfig, build_model, model_config, preset
+from models.lm import greedy
 from models.contract import cache_names, input_names, output_names
 from passes.lint import lint
 from passes.lower_npu import MASK_VALUE
@@ -29,6 +31,8 @@ from runtime import qnn
 from runtime.drivers import host_mask
 from runtime.cli import Parser, run
 from runtime.parity import TOLERANCE, reference_model
+from runtime import verify
+from runtime.text import chat_ids, has_tokenizer, load_tokenizer
 from runtime.verify import FORMAT, available_runtimes, named, verify_graph
 
 from . import quantize, windows as ladders
@@ -41,6 +45,7 @@ VARIANTS = {"attention": (("fp32", ("onnx", "npu")), ("fp16", ("npu",))),
             "lm": (("fp32", ("npu", "npu-w8a16")), ("fp16", ("npu",)))}
 KINDS = tuple(VARIANTS)
 DECODE_STEPS = 4  # right after the first prefill chunk; the decode goldens add one at the window's last row
+CHAT, GREEDY_TOKENS = "What is the capital of France?", 32  # the whole model's answer each runtime gives, in README
 
 
 def golden_positions(config: AttentionConfig) -> dict[str, list[tuple[int, int]]]:
@@ -126,7 +131,8 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
                        | ({"quantized": quantize.describe(quantize.split(target)[1])}
                           if quantize.split(target)[1] else {})
                        | ({"host_cache": {"inputs": cache_names(config, kind, "past_"),
-                                          "shape": [config.batch, config.num_kv_heads, config.capacity, config.head_dim]}}
+                                          "shape": [config.batch, config.num_kv_heads, config.capacity, config.head_dim],
+                                          "mask_value": quantize.mask_value(target)}}
                           if kind == "lm" else {}))
     return entries
 
@@ -140,9 +146,12 @@ def save_golden(path: Path, steps: list) -> None:
 
 
 def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, socs=qnn.SOCS,
-          windows: tuple[int, ...] = (), log=print) -> dict:
-    """The bundle, every graph over each window of the ladder (`windows`; default: export/windows.py's)."""
+          windows: tuple[int, ...] = (), weights: str | None = None, log=print) -> dict:
+    """The bundle, every graph over each window of the ladder (`windows`; default: export/windows.py's). `weights`: a
+    checkpoint for the whole model (a Hugging Face folder gives its dims), then the bundle holds that model alone."""
     out = Path(out)
+    if weights is not None:
+        kinds, config = ("lm",), model_config(config, "lm", weights)
     socs = tuple(socs) if qnn.available() else ()
     ladder = ladders.check(tuple(windows) or ladders.default(config), config)
     if short := [w for w in ladder if w < least_window(config)]:
@@ -156,8 +165,8 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                 schemes = [quantize.split(t)[1] for t in targets]
                 exported = export_model(c, tmp / folder, kind=kind, seed=seed, windows=ladder, log=lambda *_: None,
                                         targets=tuple(t for t, q in zip(targets, schemes) if not q),
-                                        quant=tuple(q for q in schemes if q))
-                model = build_model(c, kind, seed)
+                                        quant=tuple(q for q in schemes if q), weights=weights)
+                model = build_model(c, kind, seed, weights)
                 for target in targets:
                     for w in sorted({g["window"] for g in exported["graphs"] if g["target"] == target}):
                         graphs += _goldens(model, c.replace(capacity=w), kind, target, folder, ladders.suffix(w, c), seed, tmp)
@@ -173,7 +182,10 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
         if any(lints[g["file"]]["violations"] for g in graphs):
             raise RuntimeError(f"bundle check failed: lint {lints}")
         runtimes = {rt: refusals(tmp, graphs, rt) for rt in available_runtimes(socs)}
+        text = greedy_texts(tmp, graphs, build_model(config, "lm", seed, weights), available_runtimes(socs), log) \
+            if "lm" in kinds and has_tokenizer(tmp / "lm-fp32") else None
         manifest = {"format": FORMAT, "config": config.to_dict(), "kinds": list(kinds), "windows": list(ladder),
+                    "weights": weights or f"random(seed={seed})", **({"greedy": text} if text else {}),
                     "contract": CONTRACT,
                     "graphs": graphs, "runtimes": runtimes, "lint": "lint.json",
                     "qnn": {"version": qnn.version(), "socs": list(socs), "soc_names": {str(s): qnn.SOC_NAMES.get(s, "")
@@ -184,11 +196,36 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                     if socs else {"socs": [], "note": "onnxruntime-qnn is not installed: nothing compiled for the HTP"}}
         (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        (tmp / "README.md").write_text(readme(config, runtimes, manifest["qnn"], list(ladder)))
+        (tmp / "README.md").write_text(readme(config, runtimes, manifest["qnn"], list(ladder), kinds, weights, text))
     log(f"wrote {out}: {len(graphs)} graphs; accepted by " +
         "; ".join(f"{rt}: {', '.join(t for t, r in rts.items() if not r['refuses']) or 'none'}"
                   for rt, rts in runtimes.items()))
     return manifest
+
+
+def greedy_texts(bundle: Path, graphs: list[dict], model, runtimes: list[str], log=print) -> dict:
+    """The whole model's answer to CHAT through its chat template, GREEDY_TOKENS greedy tokens from eager fp32 and from
+    every npu target of the bundle (over the capacity) on every runtime, with how many of them lead eager's."""
+    tokenizer = load_tokenizer(bundle / "lm-fp32")
+    prompt = chat_ids(tokenizer, CHAT, "the bundle")
+    reference = reference_model(model)
+    want = (reference.generate_greedy if hasattr(reference, "generate_greedy") else partial(greedy, reference))(
+        torch.tensor([prompt]), GREEDY_TOKENS)[0][0].tolist()
+    rows = [{"runtime": "eager PyTorch", "graph": "fp32", "tokens": want}]
+    steps = {}
+    for g in (g for g in graphs if g["kind"] == "lm" and g["target"].startswith("npu") and g["window"] == max(
+            x["window"] for x in graphs if x["kind"] == "lm")):
+        steps.setdefault((g["dtype"], g["target"]), {})[g["step"]] = g
+    for runtime in runtimes:
+        for (dtype, target), pair in steps.items():
+            rows.append({"runtime": runtime, "graph": f"{dtype} {target}",
+                         "tokens": verify.greedy(bundle, pair, runtime, prompt, GREEDY_TOKENS)})
+            log(f"greedy on {runtime}, {dtype} {target}: {tokenizer.decode(rows[-1]['tokens'])!r}")
+    for row in rows:
+        row["text"] = tokenizer.decode(row["tokens"], skip_special_tokens=False)
+        row["leading_tokens_equal"] = next((i for i, (a, b) in enumerate(zip(row["tokens"], want)) if a != b),
+                                           len(want))
+    return {"chat": CHAT, "prompt_tokens": len(prompt), "new_tokens": GREEDY_TOKENS, "rows": rows}
 
 
 def refusals(bundle: Path, graphs: list[dict], runtime: str) -> dict[str, dict]:
@@ -245,7 +282,45 @@ CONTRACT = {
 }
 
 
-def readme(config: AttentionConfig, runtimes: dict, htp: dict, windows: list[int]) -> str:
+FOLDERS = {"attention": "| `attention-fp32/`, `attention-fp16/` | the attention block's `prefill.npu.onnx`, `decode.npu.onnx` (opset 17; "
+                         "fp16 in `-fp16/`), and in `-fp32/` `prefill.onnx.onnx`, `decode.onnx.onnx` (opset 24) |",
+           "block": "| `block-fp32/`, `block-fp16/` | the decoder block's graphs, as the attention block's |",
+           "lm": "| `lm-fp32/`, `lm-fp16/` | the whole model's `prefill.npu.onnx`, `decode.npu.onnx`, their weights in "
+                 "`weights.data`; in `lm-fp32/` also `prefill.npu-w8a16.onnx`, `decode.npu-w8a16.onnx`: the same steps "
+                 "quantized (QDQ, opset 21) |"}
+
+
+def _about(config: AttentionConfig, kinds, weights: str | None) -> str:
+    dims = (f"E={config.hidden_size}, H={config.num_heads}, Hkv={config.num_kv_heads}, D={config.head_dim}, "
+            f"{config.num_layers} layers, vocabulary {config.vocab_size}, cache C={config.capacity} rows, prefill chunk "
+            f"T={config.chunk}, batch {config.batch}")
+    if weights:
+        return f"The whole causal language model of `{Path(weights).name}` ({dims}), its trained weights, as static ONNX graphs."
+    return (f"MiniMind's {', '.join({'attention': 'attention block', 'block': 'decoder block', 'lm': 'whole causal language model'}[k] for k in kinds)} "
+            f"({dims}), random weights (seed 0), as static ONNX graphs.")
+
+
+def _answers(text: dict | None) -> str:
+    """The greedy-text table: what each runtime's graphs answered to one chat message."""
+    if not text:
+        return ""
+    rows = "\n".join(f"| {r['runtime']} | {r['graph']} | {r['leading_tokens_equal']} | `{r['text'][:160]!r}` |"
+                     for r in text["rows"])
+    return f"""
+## What it answers
+
+{text['chat']!r} through the model's chat template ({text['prompt_tokens']} tokens), then {text['new_tokens']}
+greedy tokens, from eager PyTorch and from every npu graph over C rows on every runtime below (the host keeping the
+cache as above); "equal" counts the leading tokens that are eager's:
+
+| runtime | graph | equal | text |
+|---|---|---|---|
+{rows}
+"""
+
+
+def readme(config: AttentionConfig, runtimes: dict, htp: dict, windows: list[int], kinds=KINDS,
+           weights: str | None = None, text: dict | None = None) -> str:
     accepted = "\n".join(f"- {rt}: " + ", ".join(f"`{t}` " + (f"no (refuses {', '.join(r['refuses'])})" if r["refuses"]
                                                              else "yes") for t, r in rts.items())
                          for rt, rts in runtimes.items())
@@ -256,19 +331,14 @@ def readme(config: AttentionConfig, runtimes: dict, htp: dict, windows: list[int
                 "The HTP runs the float graphs in fp16. They were compiled and checked in QNN's host emulation of the "
                 "HTP, not on a phone.") if htp["socs"] else htp["note"]
     QDQ_MASK = quantize.QDQ_MASK_VALUE  # noqa: N806
+    folders = "\n".join(FOLDERS[k] for k in kinds)
     return f"""# Attention hand-off bundle
 
-MiniMind's attention block, decoder block and whole causal language model (E={config.hidden_size},
-H={config.num_heads}, Hkv={config.num_kv_heads}, D={config.head_dim}, {config.num_layers} layers, vocabulary
-{config.vocab_size}, cache C={config.capacity} rows, prefill chunk T={config.chunk}, batch {config.batch}), random
-weights (seed 0), as static ONNX graphs.
+{_about(config, kinds, weights)}
 
 | folder | graphs |
 |---|---|
-| `attention-fp32/`, `block-fp32/` | `prefill.npu.onnx`, `decode.npu.onnx` (opset 17), `prefill.onnx.onnx`, `decode.onnx.onnx` (opset 24) |
-| `attention-fp16/`, `block-fp16/` | `prefill.npu.onnx`, `decode.npu.onnx` in fp16 |
-| `lm-fp32/`, `lm-fp16/` | the whole model's `prefill.npu.onnx`, `decode.npu.onnx`, their weights in `weights.data` |
-| `lm-fp32/` | also `prefill.npu-w8a16.onnx`, `decode.npu-w8a16.onnx`: the same steps quantized (QDQ, opset 21) |
+{folders}
 
 The quantized (QDQ) graphs hold QuantizeLinear/DequantizeLinear pairs around every op: weights int8 symmetric
 per output channel, activations uint16 with ranges calibrated on activations recorded from real forward passes
@@ -338,14 +408,20 @@ chunk of all but its last token, then a decode step for the last), then one deco
 ## Verified on (measured when this bundle was built; a runtime that refuses a target names the ops)
 
 {accepted}
-"""
+{_answers(text)}"""
 
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m export.handoff", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="minimind", help="model config [minimind]")
-    p.add_argument("--out", help="bundle folder [artifacts/PRESET/handoff]")
+    p.add_argument("--out", help="bundle folder [artifacts/PRESET/handoff; with --weights artifacts/NAME-handoff]")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="models to include [all]")
+    p.add_argument("--weights", metavar="FOLDER", help="a trained whole model instead of the preset's random weights: "
+                   "a checkpoint as python -m export --kind lm --weights takes it (a Hugging Face folder gives its "
+                   "dims); the bundle then holds that model alone, and its README what each runtime's graphs answer to "
+                   "a chat message [none]")
+    p.add_argument("--capacity", type=int, help="cache rows C [the preset's]")
+    p.add_argument("--chunk", type=int, help="prefill chunk T [the preset's]")
     p.add_argument("--socs", nargs="*", type=int, default=list(qnn.SOCS), metavar="SOC",
                    help=f"QNN soc_model numbers to compile the npu graphs for (none: skip) [{' '.join(map(str, qnn.SOCS))}]")
     p.add_argument("--windows", default="auto", metavar="SIZES",
@@ -355,9 +431,10 @@ def main(argv=None) -> int:
 
 
 def _build(args) -> int:
-    config = preset(args.preset)
-    build(config, args.out or f"artifacts/{args.preset}/handoff", kinds=tuple(args.kinds), socs=args.socs,
-          windows=ladders.parse(args.windows, config))
+    config = preset(args.preset, **{k: v for k, v in (("capacity", args.capacity), ("chunk", args.chunk)) if v})
+    out = args.out or (f"artifacts/{Path(args.weights).name}-handoff" if args.weights else f"artifacts/{args.preset}/handoff")
+    build(config, out, kinds=tuple(args.kinds), socs=args.socs, windows=ladders.parse(args.windows, config),
+          weights=args.weights, log=partial(print, flush=True))
     return 0
 
 

@@ -112,6 +112,21 @@ class HFStep(nn.Module):
         """Logits [B,S,V] at every position of input_ids [B,S] (positions 0..S-1): transformers' forward, no cache."""
         return self.model(input_ids=input_ids, use_cache=False).logits
 
+    def generate_greedy(self, input_ids, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' own generate, greedy, exactly `new_tokens` past input_ids [B,S]: (tokens [B,N], the logits that
+        chose them [B,N,V]). Nothing stops it at eos or changes a logit: the folder's generation config would stop at
+        its eos (min_new_tokens instead sets eos's logit to -inf, changing the reference), so it runs without one."""
+        from transformers import GenerationConfig
+        saved = self.model.generation_config
+        self.model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
+        try:
+            with torch.no_grad():
+                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                          max_new_tokens=new_tokens, output_logits=True, return_dict_in_generate=True)
+        finally:
+            self.model.generation_config = saved
+        return out.sequences[:, input_ids.shape[1]:], torch.stack(out.logits, dim=1).float()
+
     def _masks(self, position_ids, cache):
         """Additive [B,1,T,C] masks from position_ids alone: causal by absolute position, banded for sliding layers."""
         rows = torch.arange(cache.shape[2], device=position_ids.device)[None, None, None, :]

@@ -152,6 +152,20 @@ def _run_goldens(bundle: Path, graph: dict, run) -> dict:
     return err
 
 
+def greedy(bundle: Path, graphs: dict[str, dict], runtime: str, prompt: list[int], new_tokens: int) -> list[int]:
+    """`new_tokens` greedy tokens after `prompt` from a whole model's npu step graphs (`graphs`: the bundle's entries by
+    step, over one window) run on `runtime`, the caches and masks kept by the runtime's own host-cache driver."""
+    from .drivers import HostCacheGenerator
+    from .generate import generate
+    from .session import StepSession
+    sessions = {step: StepSession(bundle / g["file"], provider="cpu") for step, g in graphs.items()}
+    driver = HostCacheGenerator(sessions["prefill"], sessions["decode"], graphs["decode"]["host_cache"]["mask_value"])
+    if runtime != "onnxruntime":  # the driver's feeds, run by the other runtime
+        runners = {id(sessions[step]): _runner(bundle, g, runtime) for step, g in graphs.items()}
+        driver.infer = lambda session, feeds: runners[id(session)](feeds)
+    return generate(driver, prompt, new_tokens)["generated_ids"]
+
+
 def named(message: str, ops) -> list[str]:
     """The ops among `ops` that `message` names (as words: `TensorScatter-24` names TensorScatter)."""
     return [op for op in ops if re.search(rf"\b{re.escape(op)}\b", message)]

@@ -19,39 +19,16 @@ from runtime import open_generator
 from runtime.generate import generate, main
 from runtime.text import TextStream, chat_ids, load_tokenizer
 
+from chat_model import EOS, MESSAGE, save_chat_model
+
 TARGETS = ("raw", "ort")
-MESSAGE = "What is the capital of France?"
 NEW = 24  # greedy tokens compared
-SENTENCES = ["What is the capital of France? The capital of France is Paris.", "Paris est une très belle ville, café crème.",
-             "東京は日本の首都です。", "Ελλάδα και Αθήνα.", "The quick brown fox jumps over the lazy dog!"] * 4
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-EOS = [2, 0]  # <|im_end|>, <|endoftext|>: generation_config's eos as a list
-
-
 class Tiny:
     """The Hugging Face folder, its export, the tokenizer and transformers' own greedy tokens."""
 
     def __init__(self, root):
-        import transformers
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         self.hf, self.out = root / "hf", root / "out"
-        bpe = Tokenizer(models.BPE())
-        bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-        bpe.train_from_iterator(SENTENCES, trainers.BpeTrainer(
-            vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-        self.tokenizer = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
-            chat_template=TEMPLATE)
-        self.tokenizer.save_pretrained(self.hf)
-        config = transformers.AutoConfig.for_model(
-            "llama", vocab_size=len(self.tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-            initializer_range=0.5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=EOS, pad_token_id=0)
-        torch.manual_seed(0)
-        self.model = transformers.AutoModelForCausalLM.from_config(config).eval()
-        self.model.save_pretrained(self.hf)
+        self.tokenizer, self.model = save_chat_model(self.hf)
         self.manifest = export_model(preset("tiny", capacity=64, chunk=8, source="transformers"), self.out, kind="lm",
                                      weights=str(self.hf), targets=TARGETS, log=lambda *_: None)
         self.chat = chat_ids(self.tokenizer, MESSAGE, "hf")

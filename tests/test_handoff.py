@@ -258,3 +258,63 @@ def test_a_window_too_small_for_the_goldens_is_refused(tmp_path):
                                          r"steps after the first; expected W >= 32$"):
         build(preset("tiny"), tmp_path / "h", socs=(), windows=(16, 64), log=lambda *_: None)
     assert not (tmp_path / "h").exists()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A bundle of a Hugging Face folder with a chat template (tests/chat_model.py), compiled for one SoC."""
+    from chat_model import save_chat_model
+    root = tmp_path_factory.mktemp("trained")
+    save_chat_model(root / "hf", initializer_range=0.1)
+    build(preset("tiny", source="transformers"), root / "handoff", socs=(57,), windows=(64,), weights=str(root / "hf"),
+          log=lambda *_: None)
+    return root
+
+
+def test_a_trained_model_bundle_says_what_every_runtime_answers(trained):
+    import torch
+    import transformers
+    from chat_model import MESSAGE
+    bundle = trained / "handoff"
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert m["kinds"] == ["lm"] and m["weights"] == str(trained / "hf")
+    assert {g["file"].split("/")[0] for g in m["graphs"]} == {"lm-fp32", "lm-fp16"}
+    # eager's answer is transformers' own generate on the chat-templated prompt
+    model = transformers.AutoModelForCausalLM.from_pretrained(trained / "hf").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(trained / "hf")
+    ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": MESSAGE}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=m["greedy"]["new_tokens"], do_sample=False)[0, len(ids):].tolist()
+    rows = {(r["runtime"], r["graph"]): r for r in m["greedy"]["rows"]}
+    assert rows["eager PyTorch", "fp32"]["tokens"] == want
+    assert {rt for rt, _ in rows} == {"eager PyTorch", "onnxruntime", "openvino-cpu", "qnn-htp-57"}
+    assert {g for _, g in rows} == {"fp32", "fp32 npu", "fp16 npu", "fp32 npu-w8a16"}
+    # every float graph on onnxruntime and OpenVINO gives eager's tokens; each row's count is its own leading run
+    for (runtime, graph), r in rows.items():
+        run = next((i for i, (a, b) in enumerate(zip(r["tokens"], want)) if a != b), len(want))
+        assert r["leading_tokens_equal"] == run and r["text"] == tokenizer.decode(r["tokens"])
+        if runtime in ("onnxruntime", "openvino-cpu") and graph == "fp32 npu":
+            assert r["tokens"] == want, (runtime, graph)
+    readme = (bundle / "README.md").read_text()
+    assert "## What it answers" in readme and f"| onnxruntime | fp32 npu | {len(want)} |" in readme
+
+
+def test_the_greedy_count_refuses_a_graph_with_zero_logits(trained, monkeypatch):
+    # planted fault: a runtime whose logits are all zero picks token 0 every step; the table must say it differs
+    from runtime import verify
+    bundle = trained / "handoff"
+    m = json.loads((bundle / "manifest.json").read_text())
+    pair = {g["step"]: g for g in m["graphs"] if g["file"].startswith("lm-fp32/") and g["target"] == "npu"}
+    real = verify._runner
+
+    def zero_logits(bundle_, graph, runtime):
+        run = real(bundle_, graph, runtime)
+        return lambda feeds: {k: (np.zeros_like(v) if k == "logits" else v) for k, v in run(feeds).items()}
+    monkeypatch.setattr(verify, "_runner", zero_logits)
+    prompt = [1, 5, 9]
+    got = verify.greedy(bundle, pair, "openvino-cpu", prompt, 8)
+    monkeypatch.setattr(verify, "_runner", real)
+    assert got == [0] * 8 and got != verify.greedy(bundle, pair, "openvino-cpu", prompt, 8)
