@@ -22,6 +22,7 @@ from .fuse_rope import FuseRoPE
 from .lower_gqa import LowerToGQA
 from .lower_npu import LowerNPU
 from .pack_matmuls import PackMatMuls
+from .pack_qkv import PackQKV
 from .quantize_blocks import QuantizeBlocks
 from .quantize_weights import QuantizeWeights
 from .upgrade_opset import UpgradeOpset
@@ -41,7 +42,8 @@ def passes_for(target: str, fix_dims: dict[str, int] | None = None) -> list:
     pipelines = {
         "raw": lambda: front(),
         "onnx": lambda: front() + fuse("onnx"),
-        "ort": lambda: front() + fuse("ort") + [LowerToGQA(), Cleanup(), FoldRoPEIntoGQA(), PackMatMuls(), Cleanup()],
+        "ort": lambda: front() + fuse("ort") + [LowerToGQA(), Cleanup(), FoldRoPEIntoGQA(), PackMatMuls(), PackQKV(),
+                                                Cleanup()],
     }
     pipelines["npu"] = lambda: pipelines["onnx"]() + [LowerNPU(), Cleanup()]
     for scheme, quantizer in WEIGHT_ONLY.items():

@@ -31,7 +31,7 @@ def test_ort_target_with_every_check(raw, tmp_path, capsys):
     r = json.loads(report.read_text())
     assert [p["pass"] for p in r["passes"]] == ["fix_dims", "cleanup", "upgrade_opset", "einsum_to_matmul", "fuse_rmsnorm",
                                                 "fuse_rope", "fuse_attention", "fuse_cache_write", "cleanup", "lower_gqa",
-                                                "cleanup", "fold_rope_gqa", "pack_matmuls", "cleanup"]
+                                                "cleanup", "fold_rope_gqa", "pack_matmuls", "pack_qkv", "cleanup"]
     assert r["unfused"] == [] and r["fused_ops"] == 1 and all(v["ok"] for v in r["verify"].values())
     ops = {n.op_type: n for n in onnx.load(str(out)).graph.node}
     assert set(ops) >= {"GroupQueryAttention", "SimplifiedLayerNormalization", "Split"} and "RotaryEmbedding" not in ops
