@@ -1,11 +1,11 @@
 """Quantized targets: what each `--quant` scheme is, and the QDQ graphs NPU toolchains compile.
 
 - `int4`, `int8` (target `ort-int4`, `ort-int8`): the ort graph with its linear layers' weights
-  as MatMulNBits blocks (int4: passes/quantize_blocks.py, a scale and a minimum per 32 weights, the
-  lm_head int8; int8: onnxruntime's symmetric quantizer, passes/quantize_weights.py), activations
-  fp32. A step whose quantized form measured slower than fp32 on this CPU keeps the fp32 graph:
-  prefill, compute-bound, where MatMulNBits without VNNI runs below fp32 GEMM (make bench: int4 prefill@128 121 ms vs fp32 111,
-  int8 1.4x slower in docs/quantization.md). Decode, bound by bytes, is where the bits pay.
+  as MatMulNBits blocks of 32 (passes/quantize_blocks.py; int4: a scale and a minimum per block,
+  the lm_head int8; int8: symmetric), activations fp32. A step whose quantized form measured slower
+  than fp32 on this CPU keeps the fp32 graph: prefill, compute-bound, where MatMulNBits without VNNI
+  runs below fp32 GEMM (make bench: int4 prefill@128 121 ms vs fp32 111, int8 1.4x slower in
+  docs/quantization.md). Decode, bound by bytes, is where the bits pay.
 - `w8a16` (target `npu-w8a16`): the npu graph in QDQ form for NPU compilers (QNN HTP, OpenVINO):
   weights int8 symmetric (per output channel), activations uint16 with ranges calibrated on
   activations recorded from real forward passes, by onnxruntime's static quantizer (MinMax). The
@@ -58,7 +58,7 @@ SCHEMES = {
                    "each block's input sum times its minimum), the lm_head int8 symmetric in blocks of 32 (Q8_0), "
                    f"accuracy level 4; {_PREFILL}"),
     "int8": Scheme("ort", ("decode",), Budget(0.1, kl_mean=2e-3, top1=0.75),
-                   f"weights int8 (MatMulNBits, symmetric, block 128, accuracy level 4); {_PREFILL}"),
+                   f"weights int8 symmetric in blocks of 32 (llama.cpp's Q8_0 grid; MatMulNBits, accuracy level 4); {_PREFILL}"),
     "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=4e-3, top1=0.6),
                     "QDQ: weights int8 symmetric per output channel, activations uint16 asymmetric per tensor, "
                     "MinMax-calibrated"),

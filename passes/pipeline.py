@@ -24,7 +24,6 @@ from .lower_npu import LowerNPU
 from .pack_matmuls import PackMatMuls
 from .pack_qkv import PackQKV
 from .quantize_blocks import QuantizeBlocks
-from .quantize_weights import QuantizeWeights
 from .upgrade_opset import UpgradeOpset
 
 OPSET = 24
@@ -54,11 +53,11 @@ def passes_for(target: str, fix_dims: dict[str, int] | None = None) -> list:
 
 
 TARGETS = ("raw", "onnx", "ort", "npu")
-# Weight-only schemes of the ort target, chosen by measurement on this machine's CPU (docs/quantization.md): int4 in
-# blocks of 32 with a minimum per block (quantize_blocks.py: a trained checkpoint's Q4_1 weights held exactly; the
-# lm_head int8), int8 in blocks of 128 by onnxruntime's symmetric quantizer (15% faster decode than 32); accuracy
-# level 4 (int8 compute; level 0 makes int4 3x and int8 30x slower).
-WEIGHT_ONLY = {"int4": lambda: QuantizeBlocks(accuracy_level=4), "int8": lambda: QuantizeWeights(8, 128, 4)}
+# Weight-only schemes of the ort target (quantize_blocks.py), chosen by measurement on this machine's CPU
+# (docs/quantization.md): int4 in blocks of 32 with a scale and a minimum each (a trained checkpoint's Q4_1 weights held
+# exactly; the lm_head int8), int8 symmetric in blocks of 32 (SmolLM2-135M's decode step: KL 0.0036 where onnxruntime's
+# blocks of 128 measured 0.020, 7% slower); accuracy level 4 (int8 compute; level 0 makes int4 3x and int8 30x slower).
+WEIGHT_ONLY = {"int4": lambda: QuantizeBlocks(4, accuracy_level=4), "int8": lambda: QuantizeBlocks(8, accuracy_level=4)}
 
 
 def run_pipeline(model: ir.Model, target: str, dump_dir: str | Path | None = None, log=None,

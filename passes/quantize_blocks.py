@@ -1,6 +1,13 @@
-"""quantize_blocks: MatMul by a constant weight  ==>  com.microsoft.MatMulNBits over int4 blocks with a minimum.
+"""quantize_blocks: MatMul by a constant weight  ==>  com.microsoft.MatMulNBits over blocks of 32 weights.
 
-The int4 scheme, quantized here rather than by onnxruntime's symmetric quantizer: every block of 32 weights along K
+Weight-only quantization (activations stay fp32, the attention ops around the products as the earlier passes made
+them): a decode step reads every weight once per token, so fewer bits are what make it faster. Accuracy level 4 lets
+the kernel compute in int8 (the activations quantized per block on the fly), which on this CPU is what makes
+MatMulNBits fast (docs/quantization.md).
+
+int8 (bits=8): every block symmetric, w = scale * q with |q| <= 127 (llama.cpp's Q8_0).
+
+int4 (bits=4), quantized here rather than by onnxruntime's symmetric quantizer: every block of 32 weights along K
 keeps a scale d and a minimum m, w = m + d * q with q in 0..15 (llama.cpp's Q4_1 grid), so a block spans exactly its
 own range. A checkpoint already stored that way (SmolLM2's GGUF) is held exactly; onnxruntime's symmetric int4
 re-rounds it onto a grid through zero and measured KL 0.35 nats against fp32 on SmolLM2-135M's decode step, this
@@ -11,9 +18,9 @@ its default symmetric form, d * (q - 8), and the rest of each weight, c = m + 8d
 of the product is each block's input sum times c, a [.., K/32] x [K/32, N] product added to the output (as the
 kernel's bias input where the product has one row, the decode step of batch 1: one op fewer).
 
-The output projection (the lm_head: the last MatMul before the graph's first output) gets int8 blocks of 32,
-symmetric (llama.cpp's Q8_0, which is how GGUF checkpoints store the tied embedding it reads): every logit comes out
-of it, and at 4 bits it measured 12x the KL of the rest of the model on SmolLM2.
+Under int4 the output projection (the lm_head: the last MatMul before the graph's first output) gets the int8 blocks
+(Q8_0, which is how GGUF checkpoints store the tied embedding it reads): every logit comes out of it, and at 4 bits
+it measured 12x the KL of the rest of the model on SmolLM2.
 """
 from __future__ import annotations
 
@@ -71,9 +78,11 @@ def output_projection(model: ir.Model) -> ir.Node | None:
 class QuantizeBlocks(GraphPass):
     name = "quantize_blocks"
 
-    def __init__(self, accuracy_level: int):
+    def __init__(self, bits: int, accuracy_level: int):
         super().__init__()
-        self.accuracy_level = accuracy_level
+        if bits not in (4, 8):
+            raise ValueError(f"bits={bits}; expected 4 (a scale and a minimum per block, the lm_head int8) or 8")
+        self.bits, self.accuracy_level = bits, accuracy_level
 
     def run(self, model: ir.Model) -> bool:
         self.stats["weights_untransposed"] = constant_weights(model)
@@ -85,9 +94,9 @@ class QuantizeBlocks(GraphPass):
             elif w.shape[0] % BLOCK or rows is None:
                 self.note(node, f"K = {w.shape[0]} is not a multiple of {BLOCK}" if rows is not None
                           else "its input has no static shape")
-            elif node is head:
+            elif node is head or self.bits == 8:
                 self._int8(model, node, w)
-                self.stats["head_int8"] += 1
+                self.stats["head_int8" if node is head else "quantized"] += 1
             else:
                 self._int4(model, node, w, int(np.prod(rows[:-1])))
                 self.stats["quantized"] += 1

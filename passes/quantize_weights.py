@@ -1,12 +1,5 @@
-"""quantize_weights: MatMul by a constant weight  ==>  com.microsoft.MatMulNBits over int4 or int8 blocks.
-
-Weight-only quantization, done by onnxruntime's own quantizer (MatMulNBitsQuantizer,
-symmetric, one fp32 scale per `block_size` weights along K); activations stay fp32 and the
-attention ops around the products are left as the earlier passes made them. A decode step
-reads every weight once per token, so this is what makes it faster: 4 bits move an eighth of
-the bytes. `accuracy_level` 4 lets the kernel compute in int8 (the activations quantized per
-block on the fly), which on this CPU is what makes MatMulNBits fast (docs/quantization.md).
-"""
+"""What quantizing a graph's weights needs around the quantizers: weights that are constants (a tied lm_head's
+transposed embedding), and onnxruntime's quantization package imported and run quietly (export/quantize.py's QDQ)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +9,6 @@ import numpy as np
 import onnx_ir as ir
 
 from .analysis import const
-from .base import GraphPass
 
 
 def ort_quantization():
@@ -68,36 +60,3 @@ def constant_weights(model: ir.Model) -> int:
         node.replace_input_with(1, value)
         done += 1
     return done
-
-
-class QuantizeWeights(GraphPass):
-    name = "quantize_weights"
-
-    def __init__(self, bits: int, block_size: int, accuracy_level: int):
-        super().__init__()
-        self.bits, self.block_size, self.accuracy_level = bits, block_size, accuracy_level
-
-    def run(self, model: ir.Model) -> bool:
-        MatMulNBitsQuantizer = ort_quantization().matmul_nbits_quantizer.MatMulNBitsQuantizer
-        self.stats["weights_untransposed"] = constant_weights(model)
-        candidates = [n for n in model.graph if n.op_type == "MatMul" and n.domain == ""]
-        for node in candidates:
-            w = const(node.inputs[1])
-            if w is None or w.ndim != 2:
-                self.note(node, "weight is not a constant matrix" if w is None else f"weight has rank {w.ndim}, not 2")
-            elif w.dtype.kind != "f":
-                self.note(node, f"weight is {w.dtype}, not float")
-        if len(self.notes) == len(candidates):
-            self.stats["quantized"] = 0
-            return False
-        quantizer = MatMulNBitsQuantizer(ir.serde.serialize_model(model), bits=self.bits, block_size=self.block_size,
-                                         is_symmetric=True, accuracy_level=self.accuracy_level)
-        with quiet():
-            quantizer.process()
-        done = ir.serde.deserialize_model(quantizer.model.model)
-        model.graph = done.graph
-        model.opset_imports.update(done.opset_imports)
-        self.stats["quantized"] = sum(n.op_type == "MatMulNBits" for n in done.graph)
-        for node in (n for n in done.graph if n.op_type == "MatMul" and n.domain == "" and const(n.inputs[1]) is not None):
-            self.note(node, "left in float by onnxruntime's quantizer")
-        return self.stats["quantized"] > 0

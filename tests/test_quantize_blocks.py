@@ -72,7 +72,7 @@ def test_the_pass_computes_the_fp32_product_of_q41_weights(rows, softcap):
     model, x = _lm_graph(rng, rows, softcap), rng.standard_normal((1, rows, K)).astype(np.float32)
     want = _run(model, x)
     assert output_projection(model).inputs[1].name == "w2"
-    p = QuantizeBlocks(accuracy_level=0)  # fp32 compute: what is left is the representation's error alone
+    p = QuantizeBlocks(4, accuracy_level=0)  # fp32 compute: what is left is the representation's error alone
     p(model)
     assert p.stats["quantized"] == 1 and p.stats["head_int8"] == 1 and not p.notes
     ops = [n.op_type for n in model.graph]
@@ -85,12 +85,25 @@ def test_the_pass_computes_the_fp32_product_of_q41_weights(rows, softcap):
     assert err["max_rel"] < 5e-3
 
 
+def test_int8_quantizes_every_layer_symmetric():
+    rng = np.random.default_rng(5)
+    model, x = _lm_graph(rng, 5, False), rng.standard_normal((1, 5, K)).astype(np.float32)
+    want = _run(model, x)
+    p = QuantizeBlocks(8, accuracy_level=0)
+    p(model)
+    assert p.stats["quantized"] == 1 and p.stats["head_int8"] == 1
+    assert [n.attributes["bits"].value for n in model.graph if n.op_type == "MatMulNBits"] == [8, 8]
+    assert "MatMul" not in [n.op_type for n in model.graph] and error(_run(model, x), want)["max_rel"] < 5e-3
+    with pytest.raises(ValueError, match="bits=3; expected 4"):
+        QuantizeBlocks(3, accuracy_level=4)
+
+
 def test_a_graph_without_the_blocks_minimum_is_refused():
     # planted fault: the codes alone (the per-block rest c not added) are what a pass forgetting the minimum computes
     rng = np.random.default_rng(3)
     model, x = _lm_graph(rng, 5, False), rng.standard_normal((1, 5, K)).astype(np.float32)
     want = _run(model, x)
-    QuantizeBlocks(accuracy_level=0)(model)
+    QuantizeBlocks(4, accuracy_level=0)(model)
     add = next(n for n in model.graph if n.op_type == "Add")
     add.outputs[0].replace_all_uses_with(add.inputs[0])
     assert error(_run(model, x), want)["max_rel"] > 0.1
@@ -104,6 +117,6 @@ def test_what_cannot_be_quantized_is_named():
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, V])],
                               [numpy_helper.from_array(w, "w")])
     model = ir.serde.deserialize_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
-    p = QuantizeBlocks(accuracy_level=4)
+    p = QuantizeBlocks(4, accuracy_level=4)
     assert p(model).modified is False
     assert p.notes[0]["reason"] == f"K = 40 is not a multiple of {BLOCK}"
