@@ -107,7 +107,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
                     with progress.stage("passes"):
                         graph, report = _pipeline(exported, target if _quantized(target, step) else quantize.split(target)[0])
                     if target == "npu" and window == config.capacity and qdq:
-                        floats[step] = (ir.serde.deserialize_model(ir.serde.serialize_model(graph)), report)
+                        floats[step] = (graph.clone(), report)
                     graphs.append(build(graph, report, step, target))
         for q in qdq:  # over C rows only: calibration is slow
             with progress.stage("calibration"):
@@ -166,7 +166,7 @@ def _quantized(target: str, step: str) -> bool:
 
 
 def _pipeline(exported: ir.Model, target: str) -> tuple[ir.Model, dict]:
-    graph = ir.serde.deserialize_model(ir.serde.serialize_model(exported))
+    graph = exported.clone()  # the weights shared, not copied: passes replace tensors, never write into them
     return graph, run_pipeline(graph, target)
 
 

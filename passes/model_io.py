@@ -35,6 +35,18 @@ def load(path: str | Path) -> ir.Model:
         raise ModelFileError(f"input {path}: not a valid ONNX model ({first[:160]})") from None
 
 
+def structure(model: ir.Model) -> onnx.ModelProto:
+    """The model as a protobuf without its weights (each large initializer a graph input of its type and shape in its
+    place): what onnx.checker reads of the nodes, with no 2 GiB protobuf limit and no copy of the weights."""
+    light = model.clone()
+    for name, value in list(light.graph.initializers.items()):
+        if value.const_value is not None and value.const_value.nbytes > 1024:
+            light.graph.initializers.pop(name)
+            value.const_value = None
+            light.graph.inputs.append(value)
+    return ir.serde.serialize_model(light)
+
+
 def check(proto: onnx.ModelProto) -> None:
     """onnx.checker, with onnxruntime's default-domain contrib ops checked like any custom-domain op."""
     if any(n.op_type in ORT_DEFAULT_DOMAIN_OPS and n.domain in ("", "ai.onnx") for n in proto.graph.node):

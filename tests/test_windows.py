@@ -136,7 +136,7 @@ def test_cli_exports_a_ladder(tmp_path):
     assert res.returncode == 0, res.stderr
     m = json.loads((out / "manifest.json").read_text())
     assert m["windows"]["sizes"] == [32, 64] and len(m["graphs"]) == 16
-    assert "windows 32/64" in res.stdout.strip().splitlines()[-1]
+    assert "windows 32/64" in next(line for line in res.stdout.splitlines() if "manifest.json" in line)
 
 
 def test_a_switch_that_loses_the_rows_is_caught(exported, monkeypatch):
