@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from functools import partial
+from pathlib import Path
 
 from models import KINDS, PRESETS, AttentionConfig, preset
 from runtime.cli import Parser, run
@@ -42,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", default="attention", choices=list(KINDS),
                    help="attention: the attention block; block: the MiniMind decoder block (norm, attention, SwiGLU); "
                         "lm: the whole causal language model (embedding, L blocks, norm, tied lm_head) [attention]")
-    p.add_argument("--out", help="output folder [artifacts/PRESET, or artifacts/PRESET-KIND for --kind block/lm]")
+    p.add_argument("--out", help="output folder [artifacts/PRESET, or artifacts/PRESET-KIND for --kind block/lm; "
+                   "artifacts/NAME-lm for --kind lm --weights NAME]")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and the parity inputs [0]")
     p.add_argument("--weights", metavar="PATH", help="a MiniMind state dict (.pt/.pth) to load instead of random "
                    "weights; for --kind lm also a Hugging Face folder (config.json + safetensors), whose config.json "
@@ -67,9 +70,10 @@ def main(argv=None) -> int:
 def _export(args) -> int:
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(AttentionConfig) if getattr(args, f.name) is not None}
     config = preset(args.preset, **overrides)
-    out = args.out or f"artifacts/{args.preset}" + (f"-{args.kind}" if args.kind != "attention" else "")
+    name = Path(args.weights).stem if args.kind == "lm" and args.weights else args.preset
+    out = args.out or f"artifacts/{name}" + (f"-{args.kind}" if args.kind != "attention" else "")
     export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset,
-                 quant=parse_quant(args.quant), windows=parse_windows(args.windows, config))
+                 quant=parse_quant(args.quant), windows=parse_windows(args.windows, config), log=partial(print, flush=True))
     return 0
 
 
