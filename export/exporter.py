@@ -20,7 +20,7 @@ from models.contract import STEPS, io_specs, npu_io_specs, step_len
 from passes.leftovers import FUSED_OPS, unfused_attention
 from passes.lint import lint
 from passes.model_io import save
-from passes.pipeline import TARGETS, run_pipeline
+from passes.pipeline import TARGETS, run_pipelines
 from passes.static_shapes import check_static
 from runtime.artifacts import open_generator
 from runtime.drivers import HostCacheGenerator, mask_inputs
@@ -34,7 +34,7 @@ from .atomic import staged_dir, write_json
 from . import quantize, windows as ladders
 from .manifest import attention_layers, build_manifest
 from .progress import Progress
-from .torch_export import DEFAULT_OPSET, to_onnx
+from .torch_export import DEFAULT_OPSET, cache_rows, to_onnx
 from .weights_file import NAME as WEIGHTS_FILE, WeightsFile
 
 # Graphs whose cache write (TensorScatter, GroupQueryAttention) onnxruntime runs in place when
@@ -88,27 +88,33 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
     progress = Progress(len(ladder) * len(STEPS) * len(ort_targets) + len(qdq) * len(STEPS), log)
     with staged_dir(out_dir) as tmp:
         store = WeightsFile(tmp) if kind == "lm" or len(ladder) > 1 else None
-        for window in ladder:
-            cw = config.replace(capacity=window)
-            # eager's outputs for this window's parity cases, computed once and shared by every target
-            cases = functools.cache(lambda step, cw=cw: [step_case(reference, cw, step_len(cw, step), p0, seed, kind)
-                                                         for p0 in parity_cases(cw, step)])
 
-            def build(graph, report, step, target, cw=cw, cases=cases):
-                with progress.stage("checks"):
-                    entry = _publish(cases(step), cw, kind, graph, report, step, target, tmp, store,
-                                     ladders.suffix(cw.capacity, config))
-                progress.graph(_graph_line(entry))
-                return entry
-            for step in STEPS:
+        # eager's outputs for a window's parity cases of a step, computed once and shared by every target
+        @functools.lru_cache(maxsize=2)
+        def cases(window, step):
+            cw = config.replace(capacity=window)
+            return [step_case(reference, cw, step_len(cw, step), p0, seed, kind) for p0 in parity_cases(cw, step)]
+
+        def build(graph, report, step, target, window=config.capacity):
+            with progress.stage("checks"):
+                entry = _publish(cases(window, step), config.replace(capacity=window), kind, graph, report, step,
+                                 target, tmp, store, ladders.suffix(window, config))
+            progress.graph(_graph_line(entry))
+            return entry
+        for step in STEPS:
+            with progress.stage("trace"):
+                traced = _tracer(model, config, step, opset, kind, ladder, log)
+            pipeline = {t: t if _quantized(t, step) else quantize.split(t)[0] for t in ort_targets}
+            for window in ladder:
                 with progress.stage("trace"):
-                    exported = to_onnx(model, cw, step_len(cw, step), opset, kind)
+                    exported, pins = traced(window)
+                with progress.stage("passes"):  # every target's passes, each prefix they share run once
+                    done = run_pipelines(exported, list(pipeline.values()), pins)
                 for target in ort_targets:
-                    with progress.stage("passes"):
-                        graph, report = _pipeline(exported, target if _quantized(target, step) else quantize.split(target)[0])
+                    graph, report = done[pipeline[target]]
                     if target == "npu" and window == config.capacity and qdq:
                         floats[step] = (graph.clone(), report)
-                    graphs.append(build(graph, report, step, target))
+                    graphs.append(build(graph, report, step, target, window))
         for q in qdq:  # over C rows only: calibration is slow
             with progress.stage("calibration"):
                 graphs += _qdq_graphs(q, graphs, floats, tmp, config, kind, build)
@@ -165,9 +171,21 @@ def _quantized(target: str, step: str) -> bool:
     return not scheme or step in quantize.SCHEMES[scheme].quantized_steps
 
 
-def _pipeline(exported: ir.Model, target: str) -> tuple[ir.Model, dict]:
-    graph = exported.clone()  # the weights shared, not copied: passes replace tensors, never write into them
-    return graph, run_pipeline(graph, target)
+def _tracer(model, config: AttentionConfig, step: str, opset: int, kind: str, ladder: tuple, log):
+    """window -> (the step's graph over that many cache rows, the dims fix_dims pins to make it so). A ladder is traced
+    once, over a symbolic number of rows pinned per window; a model whose code torch.export cannot trace that way
+    (or a single window) is traced per window."""
+    t = step_len(config, step)
+    if len(ladder) > 1:
+        try:
+            traced = to_onnx(model, config, t, opset, kind, any_window=True)
+            if rows := cache_rows(traced):
+                return lambda window: (traced, {rows: window})
+            why = "torch.export made the cache rows a number"
+        except Exception as e:  # noqa: BLE001 -- any failure of the symbolic trace falls back to the static one
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+        log(f"{step}: traced once per window, not once for the ladder ({why})")
+    return lambda window: (to_onnx(model, config.replace(capacity=window), t, opset, kind), None)
 
 
 def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config: AttentionConfig, kind: str,

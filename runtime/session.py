@@ -25,6 +25,10 @@ class FeedError(ValueError):
     """A feed that does not fit the graph's contract."""
 
 
+class ContractError(ValueError):
+    """A graph that does not declare its step's inputs at the contract's shapes."""
+
+
 def cuda_available() -> bool:
     return "CUDAExecutionProvider" in ort.get_available_providers()
 
@@ -81,6 +85,8 @@ class StepSession:
         self.path = Path(path)
         self.cache_in_place = cache_in_place
         self.session = ort.InferenceSession(str(path), options, providers=resolve_providers(provider))
+        if inputs:
+            self._check_contract(inputs)
         self.inputs = inputs or [self._spec(i) for i in self.session.get_inputs()]
         self.outputs = outputs or [self._spec(o) for o in self.session.get_outputs()]
         self.capacity = next((s["shape"][2] for s in self.inputs if s["name"] == "past_key"), None)
@@ -92,6 +98,16 @@ class StepSession:
     @staticmethod
     def _spec(arg) -> dict:
         return {"name": arg.name, "shape": list(arg.shape), "dtype": _ORT_TYPES.get(arg.type, arg.type)}
+
+    def _check_contract(self, inputs: list[dict]) -> None:
+        """The graph declares each input of the contract at the contract's shape (its numbers; a symbolic dim passes):
+        a graph made for another window or batch is named here, not by onnxruntime's first run."""
+        declared = {i.name: i.shape for i in self.session.get_inputs()}
+        for s in (s for s in inputs if s["name"] in declared):
+            got = declared[s["name"]]
+            if len(got) != len(s["shape"]) or any(isinstance(g, int) and g != e for g, e in zip(got, s["shape"])):
+                raise ContractError(f"{self.path.name}: input {s['name']} is declared {list(got)}; the step's contract "
+                                f"expects {s['shape']}")
 
     @property
     def on_cuda(self) -> bool:

@@ -160,15 +160,15 @@ GRAPH_FAULTS = {  # fault -> (how it is planted, the measure it trips)
 
 
 def _plant_in_export(monkeypatch, fault, target: str) -> None:
-    """The exporter's pipeline returns `target`'s graphs with `fault` planted (before they are saved and checked)."""
-    real = exporter._pipeline
+    """The exporter's pipelines return `target`'s graphs with `fault` planted (before they are saved and checked)."""
+    real = exporter.run_pipelines
 
-    def planted(exported, t):
-        graph, report = real(exported, t)
-        if t == target:
-            fault(graph)
-        return graph, report
-    monkeypatch.setattr(exporter, "_pipeline", planted)
+    def planted(exported, targets, fix_dims=None):
+        done = real(exported, targets, fix_dims)
+        if target in done:
+            fault(done[target][0])
+        return done
+    monkeypatch.setattr(exporter, "run_pipelines", planted)
 
 
 # -- export parity: every step of every target against eager PyTorch -----------------------------------------------
