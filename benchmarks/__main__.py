@@ -1,6 +1,8 @@
 """python -m benchmarks [--quick]: every engine x workload in one run, with the machine's limits.
 
-Writes benchmarks/results.json, results.md and decode.png (or quick.json with --quick).
+Writes benchmarks/results.json, results.md and decode.png (or quick.json with --quick). The trained model's
+workloads (smollm2/) read the folder `python -m models.fetch smollm2` writes (artifacts/smollm2; fetched here if
+missing).
 """
 from __future__ import annotations
 
@@ -23,14 +25,16 @@ from export import export_model
 from export.windows import default as ladder
 from runtime.artifacts import load_manifest
 from runtime.cli import Parser, run
-from models import build_model, checksum, preset
+from models import build_model, checksum, model_config, preset
 from models.checkpoint import save_hf_folder
+from models.fetch import fetch
 
 from .engines import ENGINES, onnxscript_file
 from .limits import gemm_rate, read_bandwidth
-from .peers import build_genai
+from . import llamacpp
+from .peers import build_genai, run_builder
 from .report import markdown, plot
-from .workloads import GENAI, HF, KINDS, QUANT, workloads
+from .workloads import GENAI, HF, KINDS, LLAMACPP, QUANT, TRAINED, workloads
 
 TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
           "quick": {"min_reps": 8, "min_seconds": 0.2, "max_seconds": 1.0}}
@@ -38,6 +42,7 @@ TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILT_FROM = "built-from-weights"  # in each genai build's folder: the checksum of the weights it was built from
+ARTIFACTS = ROOT / "artifacts"  # where a trained model's folder is fetched (models.fetch NAME --out artifacts/NAME)
 
 
 def code_fingerprint() -> str:
@@ -74,6 +79,38 @@ def prepare(config, kind: str, folder: Path, engines: list[str], quantized: bool
     if hf:
         prepare_transformers(config, folder, folder / hf[0])
     return {kind: folder} | {e: folder / e for e in genai + hf}
+
+
+def prepare_trained(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Path]:
+    """A trained model's graphs (every target and quantized target, over the default ladder: what the benchmark and
+    benchmarks.accuracy run, one export for both), exported from its fetched folder, and its peers' builds of the
+    same folder that `engines` ask for: onnxruntime-genai's, llama.cpp's GGUFs. Each is redone only when its weights
+    or this code changed. Returns the folders (llama.cpp: the GGUF files) each engine reads."""
+    weights = ARTIFACTS / kind
+    record = fetch(kind, weights, log=lambda *_: None)
+    quant = ("int4", "int8", "w8a16")
+    stamp = folder / "fingerprint"
+    fingerprint = json.dumps({"weights": record["sha256"], "quant": quant, "windows": ladder(config),
+                              "code": code_fingerprint()})
+    if not (stamp.exists() and stamp.read_text() == fingerprint):
+        print(f"exporting {kind} (every target, {', '.join(quant)}) ...", flush=True)
+        export_model(config, folder, kind="lm", weights=str(weights), quant=quant, windows=ladder(config))
+        stamp.write_text(fingerprint)
+    found = {kind: folder, "weights": weights, "unavailable": {}}
+    for engine in (e for e in engines if e in GENAI):
+        out = folder / engine
+        if _read(out / BUILT_FROM) != record["sha256"] or not (out / "genai_config.json").exists():
+            run_builder(weights, out, engine, folder / "genai-cache")
+            (out / BUILT_FROM).write_text(record["sha256"])
+        found[engine] = out
+    if any(e in LLAMACPP for e in engines):
+        try:
+            llamacpp.ensure_installed()
+            found |= llamacpp.build_ggufs(weights, folder / "llamacpp")
+        except llamacpp.LlamaCppUnavailable as e:  # its engines then say so in the results
+            print(f"llama.cpp engines unavailable: {e}", flush=True)
+            found["unavailable"] |= {e_: str(e) for e_ in LLAMACPP}
+    return found
 
 
 def prepare_transformers(config, folder: Path, out: Path) -> None:
@@ -114,8 +151,9 @@ def machine(threads: int) -> dict:
 
 
 def run_engine(engine: str, config, folders: dict, jobs: list, threads: int, timing: dict, log) -> list[dict]:
-    spec = {"engine": engine, "config": config.to_dict(), "folders": {k: str(v) for k, v in folders.items()},
-            "threads": threads, "workloads": [vars(w) for w in jobs], "timing": timing}
+    spec = {"engine": engine, "config": config.to_dict(), "threads": threads, "workloads": [vars(w) for w in jobs],
+            "folders": {k: str(v) for k, v in folders.items() if isinstance(v, Path)},
+            "unavailable": folders.get("unavailable", {}), "timing": timing}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     rows = []
@@ -174,18 +212,37 @@ def main(argv=None) -> int:
     return run(bench, p.parse_args(argv))
 
 
+def model_configs(config, kinds) -> dict:
+    """Each kind's config: the preset's, or for a trained model its folder's dims (capacity, chunk and batch the
+    preset's), the folder fetched first if it is not there."""
+    configs = {}
+    for kind in kinds:
+        if kind in TRAINED:
+            fetch(kind, ARTIFACTS / kind)
+            configs[kind] = model_config(config, "lm", str(ARTIFACTS / kind))
+        else:
+            configs[kind] = config
+    return configs
+
+
 def bench(args) -> int:
     config, out = preset(args.preset), Path(args.out)
-    jobs = [w for w in workloads(config, args.quick) if w.kind in args.kinds]
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}; expected at least 1")
+    configs = model_configs(config, [k for k in KINDS if k in args.kinds and (not args.quick or k in ("attention", "lm"))])
+    if not configs:
+        raise ValueError(f"--quick --kinds {' '.join(args.kinds)}: --quick runs the attention and lm workloads alone")
+    jobs = [w for w in workloads(configs, args.quick) if w.kind in args.kinds]
     total = args.rounds * sum(e in w.engines for w in jobs for e in args.engines)
     print(f"exporting {args.preset} graphs ...", flush=True)
     folders = {}
     for kind in dict.fromkeys(w.kind for w in jobs):
-        folders |= prepare(config, kind, out / ".work" / f"{args.preset}-{kind}", args.engines)
+        work = out / ".work" / (kind if kind in TRAINED else f"{args.preset}-{kind}")
+        wanted = [e for e in args.engines if any(e in w.engines for w in jobs if w.kind == kind)]
+        folders[kind] = prepare_trained(configs[kind], kind, work, wanted) if kind in TRAINED else \
+            prepare(config, kind, work, wanted)
     print("measuring the machine's limits ...", flush=True)
-    bandwidth = {w.name: read_bandwidth(w.working_set(config), args.threads) for w in jobs if w.step == "decode"}
+    bandwidth = {w.name: read_bandwidth(w.working_set(configs[w.kind]), args.threads) for w in jobs if w.step == "decode"}
     limits = {"gemm_flops": gemm_rate(args.threads), "read_bandwidth_bytes_per_s": bandwidth}
     results, done = [], 0
 
@@ -197,22 +254,28 @@ def bench(args) -> int:
 
     for r in range(args.rounds):
         for engine in round_order(args.engines, r):
-            mine = [w for w in jobs if engine in w.engines]
-            results += run_engine(engine, config, folders, mine, args.threads, TIMING["quick" if args.quick else "full"], log)
+            for kind in folders:  # one worker per model: its config and folders are the model's
+                mine = [w for w in jobs if engine in w.engines and w.kind == kind]
+                if mine:
+                    results += run_engine(engine, configs[kind], folders[kind], mine, args.threads,
+                                          TIMING["quick" if args.quick else "full"], log)
     results = median_rounds(results)
     by_name = {w.name: w for w in jobs}
     for row in results:
         w = by_name[row["workload"]]
         if "median_ms" not in row:
             continue
-        row["tokens_per_s"] = config.batch * w.seq_len(config) / (row["median_ms"] / 1e3)
-        floor_s = w.working_set(config, row["engine"]) / bandwidth[w.name] if w.step == "decode" \
-            else w.flops(config) / limits["gemm_flops"]
+        c = configs[w.kind]
+        row["tokens_per_s"] = c.batch * w.seq_len(c) / (row["median_ms"] / 1e3)
+        floor_s = w.working_set(c, row["engine"]) / bandwidth[w.name] if w.step == "decode" \
+            else w.flops(c) / limits["gemm_flops"]
         row["floor_ms"] = floor_s * 1e3
         row["roofline_fraction"] = row["floor_ms"] / row["median_ms"]
     doc = {"machine": machine(args.threads), "preset": args.preset, "config": config.to_dict(), "limits": limits,
            "rounds": args.rounds, "round_order": "the order reversed every other round",
-           "workloads": {w.name: {"bytes": w.working_set(config), "flops": w.flops(config)} for w in jobs},
+           "models": {k: c.to_dict() for k, c in configs.items() if k in TRAINED},
+           "workloads": {w.name: {"bytes": w.working_set(configs[w.kind]), "flops": w.flops(configs[w.kind])}
+                         for w in jobs},
            "results": results}
     out.mkdir(parents=True, exist_ok=True)
     name = "quick.json" if args.quick else "results.json"

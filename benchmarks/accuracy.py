@@ -1,8 +1,14 @@
 """python -m benchmarks.accuracy: the quantized whole models against fp32 eager PyTorch, side by side with
 onnxruntime-genai's builds of the same weights, on one fixed prompt set (runtime/accuracy.py).
 
-Uses the graphs `make bench` exports (benchmarks/.work/PRESET-lm, exported here if missing) and
-writes benchmarks/accuracy.json and accuracy.md.
+Random weights (the preset's, default): uses the graphs `make bench` exports (benchmarks/.work/PRESET-lm, exported
+here if missing) and writes benchmarks/accuracy.json and accuracy.md.
+
+A trained model (`--model smollm2`): every engine against fp32 transformers on the committed prompt set
+(benchmarks/prompts.json: chat messages through the folder's chat template, prose and code as plain text), each
+prompt read and then 64 greedy tokens: every target of ours (the fp32 ones, int4 at accuracy levels 4 and 0, int8,
+w8a16), onnxruntime-genai's fp32 and int4 builds of the folder, and llama.cpp on GGUFs of it (F32 and Q4_0 converted
+from it, its original Q4_1). Writes benchmarks/MODEL/accuracy.json and accuracy.md.
 """
 from __future__ import annotations
 
@@ -11,27 +17,41 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
+import onnx
+import torch
+
 from models import build_model, preset
 from runtime import accuracy
-from runtime.artifacts import open_generator
+from runtime.artifacts import load_manifest, open_generator
 from runtime.cli import Parser, run
 from runtime.parity import reference_model
+from runtime.text import chat_ids, load_tokenizer, prompt_ids
 
-from .__main__ import prepare
+from . import llamacpp
+from .__main__ import ARTIFACTS, model_configs, prepare, prepare_trained
 from .peers import GenaiDriver
 from .report import accuracy_markdown
+from .workloads import GENAI, LLAMACPP, TRAINED
 
 TARGETS = ("ort", "ort-int4", "ort-int8", "npu-w8a16")
 PEERS = ("genai-fp32", "genai-int4")
 COLUMNS = ("max_rel", "mean_rel", "kl_mean", "kl_max", "top1", "greedy_match")
+PROMPTS = Path(__file__).with_name("prompts.json")
+TRAINED_STEPS = 64  # greedy tokens per prompt on a trained model
+TRAINED_TARGETS = ("raw", "onnx", "ort", "npu", "ort-int4", "ort-int4-l0", "ort-int8", "npu-w8a16")
+LEVEL_0 = "ort-int4-l0"  # the ort-int4 graphs with MatMulNBits at accuracy level 0 (fp32 compute): same weights
 
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m benchmarks.accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="minimind", help="model config [minimind]")
+    p.add_argument("--model", choices=TRAINED, help="a trained model (python -m models.fetch NAME) instead of the "
+                   "preset's random weights")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads [all cores]")
     p.add_argument("--out", default="benchmarks", help="output folder [benchmarks]")
-    return run(measure_all, p.parse_args(argv))
+    args = p.parse_args(argv)
+    return run(measure_trained if args.model else measure_all, args)
 
 
 def measure_all(args) -> int:
@@ -44,14 +64,14 @@ def measure_all(args) -> int:
     for target in TARGETS:
         rows[target] = accuracy.measure(open_generator(folders["lm"], target, provider="cpu", threads=args.threads),
                                         prompts, refs)
-        print(_line(target, rows[target]), flush=True)
+        print(f"{target:14s} {_line(rows[target])}", flush=True)
     for peer in PEERS:
         if not (folders[peer] / "genai_config.json").exists():
             print(f"{peer}: not built (onnxruntime-genai is not installed)")
             continue
         driver = GenaiDriver(folders[peer], args.threads, max_length=config.capacity)
         rows[peer] = accuracy.measure(driver, prompts, refs)
-        print(_line(peer, rows[peer]), flush=True)
+        print(f"{peer:14s} {_line(rows[peer])}", flush=True)
     doc = {"preset": args.preset, "reference": "eager PyTorch fp32, same weights", "prompts": rows["ort"]["prompts"],
            "decode_steps": accuracy.DECODE_STEPS, "results": rows}
     out.mkdir(parents=True, exist_ok=True)
@@ -61,8 +81,76 @@ def measure_all(args) -> int:
     return 0
 
 
-def _line(name: str, r: dict) -> str:
-    return f"{name:12s} " + ", ".join(f"{k} {r[k]:.3g}" for k in COLUMNS)
+def measure_trained(args) -> int:
+    config = model_configs(preset(args.preset), [args.model])[args.model]
+    weights, out = ARTIFACTS / args.model, Path(args.out)
+    folders = prepare_trained(config, args.model, out / ".work" / args.model, list(GENAI + LLAMACPP))
+    prompts = trained_prompts(weights)
+    step = build_model(config, "lm", weights=str(weights))
+    print(f"transformers fp32: {len(prompts)} prompts, greedy {TRAINED_STEPS} tokens each", flush=True)
+    refs = [tuple(t[0].numpy() for t in step.generate_greedy(torch.from_numpy(p), TRAINED_STEPS + 1)) for p in prompts]
+    rows = {}
+    for name, driver in _trained_drivers(folders, config, args.threads):
+        rows[name] = accuracy.measure(driver, prompts, refs) if not isinstance(driver, str) else {"unavailable": driver}
+        print(f"{name:14s} " + (f"unavailable: {driver}" if isinstance(driver, str) else _line(rows[name])), flush=True)
+    doc = {"model": args.model, "reference": "transformers fp32 (its own generate, greedy), same folder",
+           "prompts": [{"kind": p["kind"], "tokens": int(ids.shape[1])} for p, ids in zip(_prompt_file(), prompts)],
+           "decode_steps": TRAINED_STEPS, "tie": accuracy.TIE, "results": rows}
+    target = out / args.model
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (target / "accuracy.md").write_text(accuracy_markdown(doc))
+    print(f"wrote {target / 'accuracy.json'}, {target / 'accuracy.md'}")
+    return 0
+
+
+def _prompt_file() -> list[dict]:
+    return json.loads(PROMPTS.read_text())["prompts"]
+
+
+def trained_prompts(folder: Path) -> list[np.ndarray]:
+    """The committed prompts as token ids [1, L] through the folder's tokenizer: chat messages in its chat template
+    (the assistant's turn opened, as runtime.generate --chat does), prose and code as plain text (--prompt)."""
+    tokenizer = load_tokenizer(folder)
+    return [np.array([chat_ids(tokenizer, p["text"], str(folder)) if p["kind"] == "chat" else
+                      prompt_ids(tokenizer, p["text"])]) for p in _prompt_file()]
+
+
+def _trained_drivers(folders: dict, config, threads: int):
+    """(engine name, its driver, or why it could not be built here) for every engine of the table."""
+    export = folders[next(k for k in folders if k in TRAINED)]
+    for target in TRAINED_TARGETS:
+        manifest = level_0(export) if target == LEVEL_0 else None
+        yield target, open_generator(export, "ort-int4" if target == LEVEL_0 else target, manifest=manifest,
+                                     provider="cpu", threads=threads)
+    for peer in GENAI:
+        built = (folders[peer] / "genai_config.json").exists()
+        yield peer, GenaiDriver(folders[peer], threads, max_length=config.capacity) if built else \
+            "onnxruntime-genai is not installed"
+    for engine in LLAMACPP:
+        yield engine, llamacpp.LlamaCppDriver(folders[engine], threads, config.capacity) if engine in folders else \
+            folders["unavailable"].get(engine, "not built")
+
+
+def level_0(export: Path) -> dict:
+    """The export's manifest with its ort-int4 decode graphs replaced by copies whose MatMulNBits run at accuracy
+    level 0 (fp32 compute rather than int8 activations), written beside them once: the same quantized weights,
+    read from the same weights file."""
+    manifest = load_manifest(export)
+    for g in (g for g in manifest["graphs"] if g["target"] == "ort-int4" and g.get("quantized")):
+        copy = g["file"].replace("ort-int4", LEVEL_0)
+        if not (export / copy).exists():
+            graph = onnx.load(export / g["file"], load_external_data=False)
+            for node in (n for n in graph.graph.node if n.op_type == "MatMulNBits"):
+                node.attribute.remove(next(a for a in node.attribute if a.name == "accuracy_level"))
+                node.attribute.append(onnx.helper.make_attribute("accuracy_level", 0))
+            onnx.save(graph, export / copy)
+        g["file"] = copy
+    return manifest
+
+
+def _line(r: dict) -> str:
+    return ", ".join(f"{k} {r[k]:.3g}" for k in COLUMNS)
 
 
 if __name__ == "__main__":

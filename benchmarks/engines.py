@@ -1,11 +1,13 @@
 """The engines: eager PyTorch three ways, onnxruntime on four graphs of the same model, and for the whole
 model our int4/int8 ort graphs, the ort graphs exported from transformers' Qwen3ForCausalLM holding the same
-weights (ort-ort-hf), and onnxruntime-genai (its model builder's fp32 and int4 builds of the same weights).
+weights (ort-ort-hf), onnxruntime-genai (its model builder's fp32 and int4 builds of the same weights), and for a
+trained model llama.cpp (llama-cpp-python on GGUFs of the same folder).
 
-Every engine runs the same step (same weights, seed 0) with the same thread count.
+Every engine runs the same step (same weights, seed 0, or the trained folder's) with the same thread count.
 onnxruntime engines run through the runtime's Generator, whose caches stay bound in place
 between steps exactly as in a user's decode loop. For the whole model the eager engines run
-MiniMind's own concatenating cache (`forward_cat`), and genai its own generator.
+MiniMind's own concatenating cache (`forward_cat`), or for a trained model transformers' own model over its
+DynamicCache; genai and llama.cpp their own generators.
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ from runtime.artifacts import graph_entry, load_manifest, open_generator, window
 from runtime.drivers import Driver, Generator
 from runtime.session import StepSession
 
-from .workloads import GENAI, HF, ORT, QUANT, SINGLE, TORCH, Workload
+from .workloads import GENAI, HF, LLAMACPP, ORT, QUANT, SINGLE, TORCH, TRAINED, Workload
 
-ENGINES = TORCH + ORT + SINGLE + QUANT + HF + GENAI
+ENGINES = TORCH + ORT + SINGLE + QUANT + HF + GENAI + LLAMACPP
 
 
 class Unavailable(RuntimeError):
@@ -43,17 +45,55 @@ class Engine:
         if self.name not in w.engines:
             raise Unavailable(f"{self.name} does not run {w.kind} workloads")
         if self.name.startswith("torch"):
-            return self._torch_runner(w)
+            return self._transformers_runner(w) if w.kind in TRAINED else self._torch_runner(w)
         if self.name.startswith("genai"):
             return self._genai_runner(w)
+        if self.name in LLAMACPP:
+            return self._llamacpp_runner(w)
         gen = self._generator(w.kind)
         x = self._inputs(w)[0].numpy()
-        if w.kind == "lm" and w.step == "prefill":  # time to first token: the whole prompt, fed in chunks
+        if w.lm and w.step == "prefill":  # time to first token: the whole prompt, fed in chunks
             return lambda: (gen.reset(), gen.feed(x))[1]
         return lambda: gen.run_step(w.step, x, w.p0)
 
     def _inputs(self, w: Workload) -> tuple:
-        return example_inputs(self.config, w.seq_len(self.config), w.start(), kind="lm" if w.kind == "lm" else "attention")
+        return example_inputs(self.config, w.seq_len(self.config), w.start(), kind="lm" if w.lm else "attention")
+
+    def _context(self, w: Workload) -> np.ndarray:
+        """Token ids [p0] a peer engine reads before its timed decode step (its cache then holds p0 rows)."""
+        return np.random.default_rng(0).integers(0, self.config.vocab_size, w.p0)
+
+    def _transformers_runner(self, w: Workload):
+        """A trained model in eager PyTorch as transformers runs it: its own forward over a DynamicCache, the logits of
+        the last position only; a decode step is timed at context p0 and cropped back to p0 after each run."""
+        from transformers import DynamicCache
+        if w.kind not in self._models:
+            self._models[w.kind] = build_model(self.config, "lm", weights=str(self.folders["weights"])).model
+        model, ids = self._models[w.kind], self._inputs(w)[0]
+
+        def forward(tokens, cache):
+            with torch.inference_mode():
+                return model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        if w.step == "prefill":
+            return lambda: forward(ids, DynamicCache(config=model.config))
+        cache = DynamicCache(config=model.config)
+        forward(torch.from_numpy(self._context(w))[None], cache)
+
+        def decode():
+            out = forward(ids, cache)
+            cache.crop(w.p0)
+            return out
+        return decode
+
+    def _llamacpp_runner(self, w: Workload):
+        """llama.cpp on the engine's GGUF: a prompt read into an empty cache, or one token at context p0."""
+        from .llamacpp import LlamaCppDriver
+        if self.name not in self._models:
+            self._models[self.name] = LlamaCppDriver(self.folders[self.name], self.threads, self.config.capacity)
+        driver = self._models[self.name]
+        if w.step == "prefill":
+            return driver.prefill_runner(self._inputs(w)[0].numpy())
+        return driver.decode_runner(self._context(w)[None])
 
     def _torch_runner(self, w: Workload):
         model = self._torch_model(w.kind)
@@ -107,8 +147,7 @@ class Engine:
             self._models[w.kind, self.name] = og.Model(config)
         model = self._models[w.kind, self.name]
         ids = self._inputs(w)[0].numpy()[0].astype(np.int32)
-        prompt = ids if w.step == "prefill" else \
-            np.random.default_rng(0).integers(0, self.config.vocab_size, w.p0).astype(np.int32)
+        prompt = ids if w.step == "prefill" else self._context(w).astype(np.int32)
 
         def generator():
             params = og.GeneratorParams(model)

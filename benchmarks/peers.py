@@ -1,8 +1,8 @@
 """The peer for the whole model: onnxruntime-genai's model builder, run on the same weights.
 
 Our LM is written as a Hugging Face Qwen3 folder (its architecture; with a tiny trained
-tokenizer, which the builder needs) and built twice, `-p fp32 -e cpu` and `-p int4 -e cpu`,
-with the builder's own defaults otherwise. Facts found on the way: onnxruntime-genai 0.18.0
+tokenizer, which the builder needs), a trained model's folder is taken as it was fetched, and each
+is built twice, `-p fp32 -e cpu` and `-p int4 -e cpu`, with the builder's own defaults otherwise. Facts found on the way: onnxruntime-genai 0.18.0
 takes onnxruntime >= 1.31; its builder imports onnx_ir without declaring it; its `--help`
 crashes on a `%` in the help text, so it is only ever called with its arguments.
 """
@@ -26,18 +26,23 @@ def build_genai(model, folder: Path, engines) -> None:
     machine without onnxruntime-genai gets no builds; its engines then say so."""
     hf = save_hf_folder(model, folder / "hf")
     save_tokenizer(hf, min(model.config.vocab_size, 512))
+    for engine in engines:
+        run_builder(hf, folder / engine, engine, folder / "genai-cache")
+
+
+def run_builder(hf: Path, out: Path, engine: str, cache: Path) -> None:
+    """onnxruntime-genai's model builder on the Hugging Face folder `hf`, at the engine's precision, for the CPU,
+    into `out`; nothing where onnxruntime-genai is not installed (its engines then say so)."""
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return
-    for engine in engines:
-        precision = PRECISIONS[engine]
-        res = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o",
-                              str(folder / engine), "-p", precision, "-e", "cpu", "-c", str(folder / "genai-cache")],
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"onnxruntime-genai's builder failed for {precision}: "
-                               f"{(res.stderr.strip().splitlines() or ['no message'])[-1][:200]}")
+    precision = PRECISIONS[engine]
+    res = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+                          "-p", precision, "-e", "cpu", "-c", str(cache)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"onnxruntime-genai's builder failed for {precision}: "
+                           f"{(res.stderr.strip().splitlines() or ['no message'])[-1][:200]}")
 
 
 class GenaiDriver:

@@ -16,8 +16,9 @@ from pathlib import Path
 from models import preset
 from runtime.cli import Parser, run
 
+from .__main__ import model_configs
 from .engines import Engine
-from .workloads import KINDS, ORT, QUANT, SINGLE, workloads
+from .workloads import KINDS, ORT, QUANT, SINGLE, TRAINED, workloads
 
 RUNS, SECONDS = 200, 10.0
 
@@ -49,7 +50,8 @@ def profile(engine: Engine, workload) -> str:
 def main(argv=None) -> int:
     p = Parser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("engine", choices=ORT + SINGLE + QUANT)
-    p.add_argument("workloads", nargs="+", help="e.g. decode@1024 prefill@0 block/decode@1024 lm/prefill@128")
+    p.add_argument("workloads", nargs="+", help="e.g. decode@1024 prefill@0 block/decode@1024 lm/prefill@128 "
+                   "smollm2/decode@1024")
     p.add_argument("--preset", default="minimind")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     return run(_profile_all, p.parse_args(argv))
@@ -57,14 +59,19 @@ def main(argv=None) -> int:
 
 def _profile_all(args) -> int:
     config = preset(args.preset)
-    known = {w.name: w for w in workloads(config, quick=False)}
+    kinds = {name.split("/")[0] if "/" in name else "attention" for name in args.workloads}
+    if unknown_kinds := sorted(kinds - set(KINDS)):
+        raise ValueError(f"unknown workload kind(s) {unknown_kinds}: expected workloads of {', '.join(KINDS)}")
+    configs = model_configs(config, [k for k in KINDS if k in kinds])
+    known = {w.name: w for w in workloads(configs, quick=False)}
     unknown = [w for w in args.workloads if w not in known]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}: expected some of {', '.join(known)}")
-    folders = {k: Path("benchmarks/.work") / f"{args.preset}-{k}" for k in KINDS}
-    engine = Engine(args.engine, config, folders, args.threads, profile=True)
     for name in args.workloads:
-        print(profile(engine, known[name]) + "\n")
+        w = known[name]
+        folder = Path("benchmarks/.work") / (w.kind if w.kind in TRAINED else f"{args.preset}-{w.kind}")
+        engine = Engine(args.engine, configs[w.kind], {w.kind: folder}, args.threads, profile=True)
+        print(profile(engine, w) + "\n")
     return 0
 
 

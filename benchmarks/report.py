@@ -35,6 +35,10 @@ HEADLINE = {"torch-sdpa": None, "ort-raw": None, "ort-ort": "ort", "ort-ort-int4
             "ort-ort-int8": "ort-int8", "genai-fp32": "genai-fp32", "genai-int4": "genai-int4"}
 # How much slower the graphs exported from transformers' modeling code may be than the course model's, same weights.
 HF_WANT = 1.1
+# A trained model's targets (issue 21): (our engine, the peer, the step, how much faster ours should be).
+TRAINED_WANT = (("ort-ort", "genai-fp32", "decode", 1.1), ("ort-ort", "llamacpp-f32", "decode", 1.1),
+                ("ort-ort-int4", "genai-int4", "decode", 1.0), ("ort-ort-int4", "llamacpp-q4_0", "decode", 1.2),
+                ("ort-ort", "genai-fp32", "prefill@128", 1.2))
 HEADLINE_WORKLOADS = ("lm/prefill@128", "lm/decode@128", "lm/decode@1024")
 
 
@@ -107,6 +111,15 @@ def targets(doc: dict) -> list[str]:
     for w in (w for w in _workloads(doc, "lm/") if w.endswith("@128")):
         check(f"ort-ort-hf {w} vs ort-ort, the course model's graphs of the same weights (want <= {HF_WANT}x slower)",
               med("ort-ort-hf", w), med("ort-ort", w), lambda r: r <= HF_WANT)
+    for model in doc.get("models", {}):
+        for ours, peer, step, want in TRAINED_WANT:
+            for w in _workloads(doc, f"{model}/{step}"):
+                check(f"{ours} {w} vs {peer} (want >= {want}x faster)", med(peer, w), med(ours, w),
+                      lambda r, want=want: r >= want)
+        for w in _workloads(doc, f"{model}/decode"):  # where a target above would need a time below it
+            if med("ort-ort", w) and floor_of(w):
+                lines.append(f"- ort-ort {w}: {_ms(med('ort-ort', w))} ms against its bandwidth floor of "
+                             f"{_ms(floor_of(w))} ms ({med('ort-ort', w) / floor_of(w):.2f}x the floor)")
     return lines
 
 
@@ -219,8 +232,31 @@ def accuracy_table(doc: dict) -> list[str]:
     return lines
 
 
+def trained_accuracy_table(doc: dict) -> list[str]:
+    """A trained model's table: the distribution measures, then greedy agreement counted in tokens."""
+    n, steps = len(doc["prompts"]), doc["decode_steps"]
+    lines = [f"| engine | KL mean (nats) | KL max | top-1 | greedy tokens equal (mean of {steps}) | prompts with all "
+             f"{steps} equal (of {n}) | first difference a tie (<= {doc['tie']:g}) |", "|---|---|---|---|---|---|---|"]
+    for name, r in doc["results"].items():
+        if "unavailable" in r:
+            lines.append(f"| {name} | unavailable: {r['unavailable']} | | | | | |")
+            continue
+        ties = ", ".join(f"prompt {t['prompt']} step {t['step']}" for t in r["ties"]) or "none"
+        lines.append(f"| {name} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | {r['top1']:.1%} | "
+                     f"{statistics.mean(r['greedy_tokens']):.1f} | {sum(g == steps for g in r['greedy_tokens'])} | {ties} |")
+    return lines
+
+
 def accuracy_markdown(doc: dict) -> str:
     """accuracy.md, as benchmarks.accuracy writes it."""
+    if "model" in doc:
+        kinds = ", ".join(f"{sum(p['kind'] == k for p in doc['prompts'])} {k}" for k in dict.fromkeys(
+            p["kind"] for p in doc["prompts"]))
+        return "\n".join([f"Accuracy of {doc['model']} against {doc['reference']}: {len(doc['prompts'])} prompts "
+                          f"(benchmarks/prompts.json: {kinds}), each read and then {doc['decode_steps']} greedy tokens. "
+                          "KL and top-1 over the reference's own continuation (teacher forcing); greedy tokens: "
+                          "free-running, counted up to the first that differs from the reference's.", "",
+                          *trained_accuracy_table(doc)]) + "\n"
     return "\n".join([f"Accuracy against {doc['reference']}, {doc['preset']} preset: {len(doc['prompts'])} prompts "
                       f"(lengths {', '.join(map(str, doc['prompts']))}) each followed by {doc['decode_steps']} "
                       "teacher-forced decode steps (runtime/accuracy.py). Random weights: top-1 margins are tiny, so "

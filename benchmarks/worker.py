@@ -19,10 +19,13 @@ def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     config = AttentionConfig.from_dict(spec["config"])
     engine = Engine(spec["engine"], config, {k: Path(v) for k, v in spec["folders"].items()}, spec["threads"])
+    why = spec.get("unavailable", {}).get(engine.name)  # an engine its preparation could not build here
     for raw in spec["workloads"]:
         w = Workload(**raw)
         row = {"engine": engine.name, "workload": w.name}
         try:
+            if why:
+                raise Unavailable(why)
             reset_peak_rss()
             warm_check(engine, w)
             row |= measure(engine.runner(w), **spec["timing"])
