@@ -188,12 +188,15 @@ class CacheBuffers:
     buffer would time less memory traffic than a cache that has held a sequence)."""
 
     def __init__(self, driver: Driver):
-        self.driver = driver
-        size = math.prod(driver.cache_shape(driver.capacity))
+        # the shape, not the driver: a buffer holding its driver made a cycle that kept every session of a closed
+        # driver (a 135M model's ladder: GBs of weights) alive until Python's cyclic collector happened to run
+        b, kv, rows, d = driver.cache_shape(driver.capacity)
+        self._shape = lambda window: [b, kv, window, d]
+        size = b * kv * rows * d
         self._flat = [np.full(size, 0, driver.cache_dtype) for _ in driver.past]
 
     def view(self, window: int) -> list[np.ndarray]:
-        shape = self.driver.cache_shape(window)
+        shape = self._shape(window)
         return [flat[:math.prod(shape)].reshape(shape) for flat in self._flat]
 
     def move(self, old: int, new: int) -> list[np.ndarray]:

@@ -1,5 +1,7 @@
 """The window ladder: graphs over 16, 32 and 64 (= C) cache rows, and drivers that switch between them."""
+import gc
 import json
+import weakref
 import subprocess
 import sys
 from pathlib import Path
@@ -162,3 +164,24 @@ def test_a_window_just_below_the_capacity(exported):
     assert within(res, "fp32"), res
     # the padded last chunk (48..63) needs all 64 rows; decode steps 50..59 fit 60 again, 60.. need 64
     assert gen.moves == [64, 60, 64] and art.manifest["sequence_parity"]["targets"]["onnx"]["prompt_len"] == 48
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_driver_let_go_is_freed_at_once(exported, target):
+    """A driver holds every session of its ladder (a 135M model's: GBs of weights); one that no name holds goes at
+    once, not when Python's cyclic collector next runs. Planted before the fix: cache buffers holding their driver, a
+    cycle that kept SmolLM2-135M's drivers alive through its export's parity checks until 24 GiB ran out."""
+    art = exported("lm", windows=LADDER)
+    gen = art.generator(target)
+    gen.reset()
+    gen.feed(np.arange(40)[None] % art.config.vocab_size)
+    gen.decode(np.array([[3]]))
+    gone = weakref.ref(gen)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del gen
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
