@@ -47,8 +47,9 @@ class Scheme:
 # where an all-zero output sits), KL mean 2-3x, top-1 the measured disagreement about doubled (int4: half the agreement).
 #   int4:  max_rel 0.45 (minimind decode step at p0 = 2047; its accuracy 0.41, sequence 0.30; tiny step 0.28, accuracy
 #          0.41), KL mean 0.043 (minimind accuracy; one step's row 0.074), top-1 50% (minimind; tiny 85%)
-#   int8:  max_rel 0.056 (minimind accuracy; step 0.054, sequence 0.040; tiny 0.048), KL mean 6.7e-4 (tiny 2.9e-4),
-#          top-1 88% (minimind; tiny 97%)
+#   int8:  max_rel 0.081 (trained SmolLM2-135M decode step, every window; its sequence 0.022; minimind accuracy 0.056,
+#          step 0.054; tiny 0.048), KL mean 2.9e-3 (SmolLM2-135M on this prompt set, which refused it at 2e-3;
+#          minimind 6.7e-4, tiny 2.9e-4), top-1 88% (minimind; tiny 97%)
 #   w8a16: max_rel 0.24 (minimind decode step over an empty cache; prefill step 0.16, sequence 0.16, accuracy 0.11;
 #          tiny 0.13), KL mean 1.5e-3 (minimind; tiny 1.0e-3), top-1 82% (minimind; tiny 96%)
 _PREFILL = "activations fp32; prefill keeps fp32 weights (measured faster)"
@@ -57,7 +58,7 @@ SCHEMES = {
                    "weights int4 in blocks of 32 with a scale and a minimum each (llama.cpp's Q4_1 grid; MatMulNBits plus "
                    "each block's input sum times its minimum), the lm_head int8 symmetric in blocks of 32 (Q8_0), "
                    f"accuracy level 4; {_PREFILL}"),
-    "int8": Scheme("ort", ("decode",), Budget(0.1, kl_mean=2e-3, top1=0.75),
+    "int8": Scheme("ort", ("decode",), Budget(0.1, kl_mean=6e-3, top1=0.75),
                    f"weights int8 symmetric in blocks of 32 (llama.cpp's Q8_0 grid; MatMulNBits, accuracy level 4); {_PREFILL}"),
     "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=4e-3, top1=0.6),
                     "QDQ: weights int8 symmetric per output channel, activations uint16 asymmetric per tensor, "
