@@ -43,6 +43,9 @@ TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
 ROOT = Path(__file__).resolve().parents[1]
 BUILT_FROM = "built-from-weights"  # in each genai build's folder: the checksum of the weights it was built from
 ARTIFACTS = ROOT / "artifacts"  # where a trained model's folder is fetched (models.fetch NAME --out artifacts/NAME)
+# A trained model's quantized targets. w8a16 is not among them: the export refuses SmolLM2-135M's prefill.npu-w8a16
+# graph by its step parity (max_rel 1.99 > 0.4; not its mask value: the model's scores span -28..14). Open in issue 21.
+TRAINED_QUANT = ("int4", "int8")
 
 
 def code_fingerprint() -> str:
@@ -88,7 +91,7 @@ def prepare_trained(config, kind: str, folder: Path, engines: list[str]) -> dict
     or this code changed. Returns the folders (llama.cpp: the GGUF files) each engine reads."""
     weights = ARTIFACTS / kind
     record = fetch(kind, weights, log=lambda *_: None)
-    quant = ("int4", "int8", "w8a16")
+    quant = TRAINED_QUANT
     stamp = folder / "fingerprint"
     fingerprint = json.dumps({"weights": record["sha256"], "quant": quant, "windows": ladder(config),
                               "code": code_fingerprint()})

@@ -29,7 +29,7 @@ from runtime.parity import reference_model
 from runtime.text import chat_ids, load_tokenizer, prompt_ids
 
 from . import llamacpp
-from .__main__ import ARTIFACTS, model_configs, prepare, prepare_trained
+from .__main__ import ARTIFACTS, TRAINED_QUANT, model_configs, prepare, prepare_trained
 from .peers import GenaiDriver
 from .report import accuracy_markdown
 from .workloads import GENAI, LLAMACPP, TRAINED
@@ -119,7 +119,12 @@ def trained_prompts(folder: Path) -> list[np.ndarray]:
 def _trained_drivers(folders: dict, config, threads: int):
     """(engine name, its driver, or why it could not be built here) for every engine of the table."""
     export = folders[next(k for k in folders if k in TRAINED)]
+    exported = {g["target"] for g in load_manifest(export)["graphs"]}
     for target in TRAINED_TARGETS:
+        if ("ort-int4" if target == LEVEL_0 else target) not in exported:
+            yield target, "not exported: python -m benchmarks exports the quantized targets " \
+                f"{', '.join(TRAINED_QUANT)} of a trained model (see TRAINED_QUANT)"
+            continue
         manifest = level_0(export) if target == LEVEL_0 else None
         yield target, open_generator(export, "ort-int4" if target == LEVEL_0 else target, manifest=manifest,
                                      provider="cpu", threads=threads)
