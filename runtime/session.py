@@ -106,8 +106,8 @@ class StepSession:
         for s in (s for s in inputs if s["name"] in declared):
             got = declared[s["name"]]
             if len(got) != len(s["shape"]) or any(isinstance(g, int) and g != e for g, e in zip(got, s["shape"])):
-                raise ContractError(f"{self.path.name}: input {s['name']} is declared {list(got)}; the step's contract "
-                                f"expects {s['shape']}")
+                raise ContractError(f"{self.path.name}: input {s['name']} is declared {list(got)}; the step's "
+                                    f"contract expects {s['shape']}")
 
     @property
     def on_cuda(self) -> bool:
