@@ -42,11 +42,11 @@ def prompt_set(config, seed: int = 1234) -> list[np.ndarray]:
     return [np.repeat(rng.integers(0, config.vocab_size, (1, n)), config.batch, axis=0) for n in lengths[:PROMPTS]]
 
 
-def references(model, prompts: list[np.ndarray], steps: int = DECODE_STEPS) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Eager fp32's greedy continuation of each prompt and the logits that chose it ([N], [N, V]), N = steps + 1."""
+def references(model, prompts: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Eager fp32's greedy continuation of each prompt and the logits that chose it ([N], [N, V])."""
     out = []
     for p in prompts:
-        tokens, logits = greedy(model, torch.from_numpy(p[:1]), steps + 1)
+        tokens, logits = greedy(model, torch.from_numpy(p[:1]), DECODE_STEPS + 1)
         out.append((tokens[0].numpy(), logits[0].numpy()))
     return out
 
@@ -69,8 +69,8 @@ def measure(driver, prompts: list[np.ndarray], refs: list[tuple[np.ndarray, np.n
         if run < steps and (margin := float(ref[run, tokens[run]] - ref[run, nxt])) <= TIE:
             ties.append({"prompt": k, "step": run, "margin": margin})
     rel, kl = np.concatenate([s["rel"] for s in per_step]), np.concatenate([s["kl"] for s in per_step])
-    steps = [len(t) - 1 for t, _ in refs]
+    lengths = [len(t) - 1 for t, _ in refs]
     return {"max_rel": float(rel.max()), "mean_rel": float(rel.mean()), "kl_mean": float(kl.mean()),
             "kl_max": float(kl.max()), "top1": float(np.concatenate([s["top1"] for s in per_step]).mean()),
-            "greedy_match": float(np.mean([r / n for r, n in zip(runs, steps)])), "greedy_tokens": runs, "ties": ties,
-            "prompts": [int(p.shape[1]) for p in prompts], "decode_steps": max(steps)}
+            "greedy_match": float(np.mean([r / n for r, n in zip(runs, lengths)])), "greedy_tokens": runs, "ties": ties,
+            "prompts": [int(p.shape[1]) for p in prompts], "decode_steps": max(lengths)}
