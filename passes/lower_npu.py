@@ -8,7 +8,8 @@ The NPU step (what QNN, OpenVINO NPU and Vitis AI compile):
 - RotaryEmbedding becomes x*cos + rotate_half(x)*sin with cos/sin gathered by the int32
   positions from constant tables (the ones the graph's RotaryEmbedding held), rotate_half
   over halves or, for an interleaved one, over pairs;
-- RMSNormalization becomes Mul/ReduceMean/Sqrt/Div (in fp32 when it stashed fp32);
+- RMSNormalization becomes x/m / sqrt(mean((x/m)^2) + eps/m^2), m = max|x| per row, in primitives (in fp32
+  when it stashed fp32): bounded intermediates for fp16 and 16-bit quantized graphs;
 - Attention over a TensorScatter-written cache (checked causal by position, see
   causal.py) becomes attention over Concat(past, new): query heads are grouped as
   [B, Hkv, rep*T, D] against [B, Hkv, C+T, D], so K/V are never repeated, soft-capping
@@ -251,12 +252,24 @@ class LowerNPU(GraphPass):
         b = Builder(model, node, f"{self.name}/{node.name}")
         xs = b.op("Cast", [x], shape, stash, to=int(stash)) if stash != dtype else x
         reduced = shape[:-1] + [1]
-        mean = b.op("ReduceMean", [b.op("Mul", [xs, xs], shape, stash)], reduced, stash, axes=[-1], keepdims=1)
-        eps = b.const(np.array(attr(node, "epsilon", 1e-5), stash.numpy()), "epsilon")
-        # x / sqrt(mean + eps), not x * Reciprocal(sqrt(...)): QNN's HTP computes a 16-bit quantized Reciprocal wrongly
+        # x / sqrt(mean(x^2) + eps) as y / sqrt(mean(y^2) + eps/m^2) with y = x/m, m = max|x| per row: trained models'
+        # residual rows reach |x| ~ 25000 (SmolLM2-135M), whose square overflows fp16 and spans 6e8 in a 16-bit
+        # quantized tensor, where every other row's squares round to 0 (measured: w8a16 prefill max_rel 1.99). Every
+        # intermediate here is bounded: y in [-1, 1], mean(y^2) in [1/E, 1]. The identity holds for any m > 0: m is
+        # floored at sqrt(eps), so that a zero row (a padding token's embedding) adds at most 1 under the root, not
+        # eps/tiny^2, whose range would leave every other row's eps term and root at 0 in a quantized graph.
+        epsilon = attr(node, "epsilon", 1e-5)
+        floor = b.const(np.array(max(epsilon ** 0.5, np.finfo(stash.numpy()).tiny ** 0.25), stash.numpy()), "floor")
+        peak = b.op("Max", [b.op("ReduceMax", [b.op("Abs", [xs], shape, stash)], reduced, stash, axes=[-1], keepdims=1),
+                            floor], reduced, stash)
+        ys = b.op("Div", [xs, peak], shape, stash)
+        mean = b.op("ReduceMean", [b.op("Mul", [ys, ys], shape, stash)], reduced, stash, axes=[-1], keepdims=1)
+        eps = b.const(np.array(epsilon, stash.numpy()), "epsilon")
+        scaled_eps = b.op("Div", [b.op("Div", [eps, peak], reduced, stash), peak], reduced, stash)
+        # y / sqrt(...), not y * Reciprocal(sqrt(...)): QNN's HTP computes a 16-bit quantized Reciprocal wrongly
         # (measured: 85% error on the QDQ graph), and one Div is one op fewer.
-        rms = b.op("Sqrt", [b.op("Add", [mean, eps], reduced, stash)], reduced, stash)
-        normed = b.op("Div", [xs, rms], shape, stash)
+        rms = b.op("Sqrt", [b.op("Add", [mean, scaled_eps], reduced, stash)], reduced, stash)
+        normed = b.op("Div", [ys, rms], shape, stash)
         if stash != dtype:
             normed = b.op("Cast", [normed], shape, dtype, to=int(dtype))
         replace_value(node.outputs[0], b.op("Mul", [normed, scale], shape, dtype))

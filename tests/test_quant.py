@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from export import export_model
 from export.quantize import QuantError, SCHEMES, parse
@@ -95,6 +96,26 @@ def test_qdq_graphs_are_npu_clean(exported):
     calib = next(g for g in m["graphs"] if g["target"] == "npu-w8a16")["calibration"]
     assert calib["method"] == "MinMax" and calib["feeds"] > 0
     assert next(g for g in m["graphs"] if g["target"] == "npu-w8a16")["host_cache"]["mask_value"] == -100.0
+
+
+def test_w8a16_holds_a_model_with_massive_activations(tmp_path):
+    """Trained LMs carry a few residual rows with one huge channel (SmolLM2-135M: |x| ~ 25000 beside rows of ~3).
+    Squared, such a row spans a 16-bit quantized tensor's range so that every other row's squares round to 0: the
+    npu graph's RMSNorm computed mean(x^2) directly and SmolLM2's w8a16 prefill measured max_rel 1.99. Here one token
+    in eight carries 500 in one channel, 6000x the median |x| (SmolLM2: 7600x); the export refuses a w8a16 graph
+    past its budget, so it must complete. (A zero row, a padding token's embedding, is test_handoff.py's chat model.)"""
+    config = preset("tiny", tie_embeddings=False)
+    model = build_model(config, "lm", seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[::8, 5] = 500.0
+    torch.save(model.state_dict(), tmp_path / "massive.pt")
+    m = export_model(config, tmp_path / "out", kind="lm", weights=str(tmp_path / "massive.pt"), quant=("w8a16",),
+                     log=lambda *_: None)
+    steps = [g["parity"]["max_rel"] for g in m["graphs"] if g["target"] == "npu-w8a16"]
+    a = m["lm"]["quantization"]["npu-w8a16"]["accuracy"]
+    print(f"massive activations, w8a16: steps max_rel {max(steps):.3f}, accuracy max_rel {a['max_rel']:.3f}, "
+          f"KL {a['kl_mean']:.2e}")
+    assert max(steps) <= SCHEMES["w8a16"].budget.max_rel and a["max_rel"] <= SCHEMES["w8a16"].budget.max_rel
 
 
 def test_accuracy_is_measured_and_within_budget(exported):
