@@ -194,7 +194,7 @@ def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config
     sessions = [StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu") for step in STEPS
                 for g in graphs if g["step"] == step and g["target"] == "npu" and g["window"] == config.capacity]
     feeds = quantize.record_feeds(HostCacheGenerator(*sessions, quantize.QDQ_MASK_VALUE),
-                                  quantize.calibration_inputs(config, kind))
+                                  quantize.calibration_inputs(config, kind), kind)
     out = []
     for step in STEPS:
         graph, report = floats[step]
@@ -205,7 +205,8 @@ def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config
         out[-1]["calibration"] = {"method": "MinMax", "feeds": len(feeds[step]),
                                   "inputs": f"{quantize.CALIBRATION_PROMPTS} seeded random prompts "
                                             f"({'token ids' if kind == 'lm' else 'hidden states'}), each read as a prompt "
-                                            f"then {quantize.CALIBRATION_DECODE_STEPS} decode steps"}
+                                            f"then {quantize.CALIBRATION_DECODE_STEPS} decode steps"
+                                            + (" of the model's own greedy tokens" if kind == "lm" else "")}
     return out
 
 

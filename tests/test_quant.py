@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from export import export_model
-from export.quantize import QuantError, SCHEMES, parse
+from export.quantize import (CALIBRATION_DECODE_STEPS, QuantError, SCHEMES, calibration_inputs, parse,
+                             record_feeds)
 from models import build_model, preset
 from passes.lint import lint
 from runtime import accuracy
@@ -116,6 +117,22 @@ def test_w8a16_holds_a_model_with_massive_activations(tmp_path):
     print(f"massive activations, w8a16: steps max_rel {max(steps):.3f}, accuracy max_rel {a['max_rel']:.3f}, "
           f"KL {a['kl_mean']:.2e}")
     assert max(steps) <= SCHEMES["w8a16"].budget.max_rel and a["max_rel"] <= SCHEMES["w8a16"].budget.max_rel
+
+
+def test_calibration_decodes_the_models_own_greedy_tokens(exported):
+    """The whole model's calibration reads a random prompt, then generates: each decode step feeds the token the
+    float graph chose at the step before, not the input's next random token."""
+    out, _ = exported
+    steps = CALIBRATION_DECODE_STEPS
+    x = calibration_inputs(preset("tiny"), "lm")[1]
+    feeds = record_feeds(open_generator(out, "npu", ladder=False, provider="cpu"), [x], "lm")["decode"]
+    driver, want = open_generator(out, "npu", ladder=False, provider="cpu"), []
+    logits = driver.feed(x[:, :-steps])
+    for _ in range(steps):
+        want.append(int(np.argmax(logits[0, -1])))
+        logits = driver.decode(np.array([[want[-1]]]))
+    # the last `steps` decode feeds (a prompt's remainder may be read by the decode graph too)
+    assert [int(f["input_ids"][0, 0]) for f in feeds[-steps:]] == want != x[0, -steps:].tolist()
 
 
 def test_accuracy_is_measured_and_within_budget(exported):
