@@ -81,7 +81,7 @@ class Engine:
 
         def decode():
             out = forward(ids, cache)
-            cache.crop(w.p0)
+            cache.crop(-1)  # transformers 5: a negative count removes that many tokens (the one decoded)
             return out
         return decode
 

@@ -71,6 +71,19 @@ def test_a_missing_engine_is_not_measured_and_a_slow_one_missed():
     assert _target(doc, "ort-ort lm/decode@1024 vs genai-fp32 (want >= 1.2x").endswith("1.10x (missed)")
 
 
+def test_a_trained_model_run_alone_reports_its_targets_only():
+    from benchmarks.report import targets
+    doc = _doc(("ort-ort", "smollm2/decode@128", 30.0, {"floor_ms": 20.0}), ("genai-fp32", "smollm2/decode@128", 36.0, {}),
+               ("llamacpp-f32", "smollm2/decode@128", 32.0, {}))
+    doc["models"] = {"smollm2": {}}
+    lines = targets(doc)
+    assert "- ort-ort smollm2/decode@128 vs genai-fp32 (want >= 1.1x faster): 1.20x (holds)" in lines
+    assert "- ort-ort smollm2/decode@128 vs llamacpp-f32 (want >= 1.1x faster): 1.07x (missed)" in lines
+    assert "- ort-ort-int4 smollm2/decode@128 vs genai-int4 (want >= 1.0x faster): not measured" in lines
+    assert "- ort-ort smollm2/decode@128: 30.00 ms against its bandwidth floor of 20.00 ms (1.50x the floor)" in lines
+    assert not any("torch-sdpa" in line or "lm/" in line for line in lines)  # the preset's workloads did not run
+
+
 def test_the_report_names_an_engine_that_ran_another_window():
     from benchmarks.report import window_differences
     doc = _doc(("ort-raw", "decode@128", 1.0, {"window": 256}), ("ort-onnxscript", "decode@128", 3.0, {"window": 2048}),
