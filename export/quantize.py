@@ -51,10 +51,10 @@ class Scheme:
 #          step 0.054; tiny 0.048), KL mean 2.9e-3 (SmolLM2-135M on this prompt set, which refused it at 2e-3;
 #          minimind 6.7e-4, tiny 2.9e-4), top-1 88% (minimind; tiny 97%)
 #   w8a16: max_rel 0.24 (minimind decode step over an empty cache; prefill step 0.16, sequence 0.16, accuracy 0.11;
-#          tiny 0.13; trained SmolLM2-135M at C=512, accuracy 0.22), KL mean 0.039 (SmolLM2-135M at C=512 on this
-#          prompt set, calibrated on its own greedy tokens: a trained residual stream's massive activations (|x| ~
-#          25000 in a few channels) set a 16-bit tensor's step at 0.8 where other rows hold ~3; minimind 1.5e-3,
-#          tiny 1.0e-3), top-1 82% (minimind; SmolLM2 88%, tiny 96%)
+#          tiny 0.13), KL mean 1.5e-3 (minimind; tiny 1.0e-3), top-1 82% (minimind; tiny 96%). A trained model is
+#          not within it yet: SmolLM2-135M at C=512 measured accuracy max_rel 0.22, KL 0.039, top-1 88% (its residual
+#          stream's massive activations, |x| ~ 25000 in a few channels, set a 16-bit tensor's step at 0.8 where other
+#          rows hold ~3), and at C=2048 its decode step over 2047 cached rows max_rel 0.535 (issue 21).
 _PREFILL = "activations fp32; prefill keeps fp32 weights (measured faster)"
 SCHEMES = {
     "int4": Scheme("ort", ("decode",), Budget(0.7, kl_mean=0.1, top1=0.25),
@@ -63,7 +63,7 @@ SCHEMES = {
                    f"accuracy level 4; {_PREFILL}"),
     "int8": Scheme("ort", ("decode",), Budget(0.1, kl_mean=6e-3, top1=0.75),
                    f"weights int8 symmetric in blocks of 32 (llama.cpp's Q8_0 grid; MatMulNBits, accuracy level 4); {_PREFILL}"),
-    "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=0.08, top1=0.6),
+    "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=4e-3, top1=0.6),
                     "QDQ: weights int8 symmetric per output channel, activations uint16 asymmetric per tensor, "
                     "MinMax-calibrated"),
 }
