@@ -8,8 +8,8 @@ The NPU step (what QNN, OpenVINO NPU and Vitis AI compile):
 - RotaryEmbedding becomes x*cos + rotate_half(x)*sin with cos/sin gathered by the int32
   positions from constant tables (the ones the graph's RotaryEmbedding held), rotate_half
   over halves or, for an interleaved one, over pairs;
-- RMSNormalization becomes x/m / sqrt(mean((x/m)^2) + eps/m^2), m = max|x| per row, in primitives (in fp32
-  when it stashed fp32): bounded intermediates for fp16 and 16-bit quantized graphs;
+- RMSNormalization becomes x/m / sqrt(mean((x/m)^2) + eps/m^2), m = max|x| per row floored at sqrt(eps), in fp32
+  primitives when it stashed fp32: bounded intermediates for fp16 and 16-bit quantized graphs;
 - Attention over a TensorScatter-written cache (checked causal by position, see
   causal.py) becomes attention over Concat(past, new): query heads are grouped as
   [B, Hkv, rep*T, D] against [B, Hkv, C+T, D], so K/V are never repeated, soft-capping
