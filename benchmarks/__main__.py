@@ -43,11 +43,7 @@ TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
 ROOT = Path(__file__).resolve().parents[1]
 BUILT_FROM = "built-from-weights"  # in each genai build's folder: the checksum of the weights it was built from
 ARTIFACTS = ROOT / "artifacts"  # where a trained model's folder is fetched (models.fetch NAME --out artifacts/NAME)
-# A trained model's quantized targets. w8a16 is not among them yet: a refused scheme fails the whole export, and
-# SmolLM2-135M's is refused at C=2048: by its accuracy on the prompt set (max_rel 1.18 > 0.4) when calibrated on
-# random decode tokens, by its decode step over 2047 cached rows (max_rel 0.535) when calibrated on its own greedy
-# tokens (at C=512 then: accuracy 0.22, KL 0.039, over the KL budget 4e-3). Open in issue 21.
-TRAINED_QUANT = ("int4", "int8")
+TRAINED_QUANT = ("int4", "int8", "w8a16")  # a trained model's quantized targets
 
 
 def code_fingerprint() -> str:

@@ -193,18 +193,19 @@ def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config
     """The npu graphs in QDQ form, their activation ranges recorded by running the float npu graphs just written."""
     sessions = [StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu") for step in STEPS
                 for g in graphs if g["step"] == step and g["target"] == "npu" and g["window"] == config.capacity]
-    feeds = quantize.record_feeds(HostCacheGenerator(*sessions, quantize.QDQ_MASK_VALUE),
-                                  quantize.calibration_inputs(config, kind), kind)
+    driver, inputs = HostCacheGenerator(*sessions, quantize.QDQ_MASK_VALUE), quantize.calibration_inputs(config, kind)
     out = []
     for step in STEPS:
         graph, report = floats[step]
-        qdq = quantize.qdq(graph, feeds[step])
-        entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {len(feeds[step])} calibration feeds",
+        qdq, feeds = quantize.qdq(graph, quantize.step_feeds(driver, inputs, kind, step))
+        entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {feeds} calibration feeds",
                  "stats": {"quantize_linear": sum(n.op_type == "QuantizeLinear" for n in qdq.graph)}, "not_matched": []}
         out.append(build(qdq, {**report, "passes": report["passes"] + [entry]}, step, quantize.target(scheme)))
-        out[-1]["calibration"] = {"method": "MinMax", "feeds": len(feeds[step]),
+        out[-1]["calibration"] = {"method": "MinMax", "feeds": feeds,
                                   "inputs": f"{quantize.CALIBRATION_PROMPTS} seeded random prompts "
-                                            f"({'token ids' if kind == 'lm' else 'hidden states'}), each read as a prompt "
+                                            f"({'token ids' if kind == 'lm' else 'hidden states'}: "
+                                            f"{quantize.FIRST_TOKEN_PROMPTS} of one token, the last filling the cache), "
+                                            f"each read as a prompt "
                                             f"then {quantize.CALIBRATION_DECODE_STEPS} decode steps"
                                             + (" of the model's own greedy tokens" if kind == "lm" else "")}
     return out
