@@ -89,8 +89,10 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
     with staged_dir(out_dir) as tmp:
         store = WeightsFile(tmp) if kind == "lm" or len(ladder) > 1 else None
 
-        # eager's outputs for a window's parity cases of a step, computed once and shared by every target
-        @functools.lru_cache(maxsize=2)
+        # eager's outputs for a window's parity cases of a step, computed once and shared by every target; one window's
+        # step at a time, as its cases hold the caches three times over (the QDQ graphs, checked last, compute theirs
+        # again)
+        @functools.lru_cache(maxsize=1)
         def cases(window, step):
             cw = config.replace(capacity=window)
             return [step_case(reference, cw, step_len(cw, step), p0, seed, kind) for p0 in parity_cases(cw, step)]
@@ -106,6 +108,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
                 traced = _tracer(model, config, step, opset, kind, ladder, log)
             pipeline = {t: t if _quantized(t, step) else quantize.split(t)[0] for t in ort_targets}
             for window in ladder:
+                cases.cache_clear()  # the last window's cases go before this one's are computed
                 with progress.stage("trace"):
                     exported, pins = traced(window)
                 with progress.stage("passes"):  # every target's passes, each prefix they share run once
@@ -118,6 +121,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
         for q in qdq:  # over C rows only: calibration is slow
             with progress.stage("calibration"):
                 graphs += _qdq_graphs(q, graphs, floats, tmp, config, kind, build)
+        cases.cache_clear()  # not needed by the sequence parity below
         weights_info = {"source": weights or f"random(seed={seed})", "layer": layer, "checksum": checksum(model)}
         extras = {}
         if store is not None:

@@ -20,9 +20,12 @@ class Builder:
         return f"{self.prefix}/{what}_{next(self._ids)}"
 
     def const(self, array, what: str = "const") -> ir.Value:
-        array = np.asarray(array)
-        value = ir.Value(name=self._name(what), shape=ir.Shape(array.shape),
-                         type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), const_value=ir.tensor(array))
+        return self.initializer(ir.tensor(np.asarray(array)), what)
+
+    def initializer(self, tensor: ir.TensorProtocol, what: str = "const") -> ir.Value:
+        """A new initializer holding `tensor` as it is (a lazy one stays unevaluated)."""
+        value = ir.Value(name=self._name(what), shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
+                         const_value=tensor)
         self.graph.register_initializer(value)
         self._log.append(value)
         return value
