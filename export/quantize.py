@@ -52,13 +52,15 @@ class Scheme:
 #   int8:  max_rel 0.081 (trained SmolLM2-135M decode step, every window; its sequence 0.022; minimind accuracy 0.056,
 #          step 0.054; tiny 0.048), KL mean 2.9e-3 (SmolLM2-135M on this prompt set, which refused it at 2e-3;
 #          minimind 6.7e-4, tiny 2.9e-4), top-1 88% (minimind; tiny 97%)
-#   w8a16: max_rel 0.34 (trained SmolLM2-135M's prefill step at p0 = 0, its first token in the chunk; its other steps
-#          0.09-0.22; random weights: minimind decode step 0.24, tiny 0.13; kept under 0.5 so a graph 50% off is
-#          refused), KL mean 0.040 (SmolLM2-135M accuracy, top-1 94%; on the benchmark's real prompts at C=512
-#          0.039, 88%; minimind 1.5e-3, tiny 1.0e-3), top-1 75%. The trained model sets it: its residual stream
-#          carries massive activations (|x| ~ 25000 in a few channels where other rows hold ~3), so the per-tensor
-#          16-bit step there is 0.75 and every other row carries that error (issue 21). Keeping those tensors wider
-#          than 16 bits (mixed precision) is what would lower it; not done.
+#   w8a16: max_rel 0.24 (minimind decode step over an empty cache; prefill step 0.16, sequence 0.16, accuracy 0.11;
+#          tiny 0.13), KL mean 1.5e-3 (minimind; tiny 1.0e-3), top-1 82% (minimind; tiny 96%). A trained model is
+#          not within it: SmolLM2-135M at C=2048 (this calibration) measured steps 0.09-0.34 and accuracy max_rel
+#          0.165, KL 0.040, top-1 94% on these random-token prompts, and on the benchmark's real chat/prose/code prompts
+#          KL 0.47, top-1 85%, 7.7 of 64 greedy tokens (issue 21; exported with this budget loosened to 0.45/0.08).
+#          Its residual stream carries massive activations (|x| ~ 25000 in a few channels where other rows hold ~3),
+#          so the per-tensor 16-bit step there is 0.75 and every other row carries that error; and random-token
+#          calibration does not see real text's (a chat template's first token is an attention sink). Refused, as it
+#          should be, until mixed precision (those tensors wider than 16 bits) or calibration on real text lowers it.
 _PREFILL = "activations fp32; prefill keeps fp32 weights (measured faster)"
 SCHEMES = {
     "int4": Scheme("ort", ("decode",), Budget(0.7, kl_mean=0.1, top1=0.25),
@@ -67,7 +69,7 @@ SCHEMES = {
                    f"accuracy level 4; {_PREFILL}"),
     "int8": Scheme("ort", ("decode",), Budget(0.1, kl_mean=6e-3, top1=0.75),
                    f"weights int8 symmetric in blocks of 32 (llama.cpp's Q8_0 grid; MatMulNBits, accuracy level 4); {_PREFILL}"),
-    "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.45, kl_mean=0.08, top1=0.75),
+    "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=4e-3, top1=0.6),
                     "QDQ: weights int8 symmetric per output channel, activations uint16 asymmetric per tensor, "
                     "MinMax-calibrated"),
 }
