@@ -149,7 +149,7 @@ def calibration_inputs(config: AttentionConfig, kind: str, seed: int = 4321) -> 
     """Prompts the calibration runs: token ids for the whole model, hidden states [B, L, E] otherwise. The first
     FIRST_TOKEN_PROMPTS are a single token: a decode step at p0 = 0 attends over an empty cache, where one row's softmax
     weight is 1, and a trained model's first token carries activations no later one does (SmolLM2-135M's decode step
-    at p0 = 0 measured max_rel 0.40 calibrated on one such prompt, 0.10 on five; minimind's 2.28 on none). The last
+    at p0 = 0 measured max_rel 0.40 calibrated on one such prompt, 0.09 on four; minimind's 2.28 on none). The last
     fills the cache, so the steps over all of it are calibrated (SmolLM2-135M's decode step over 2047 rows measured
     0.535 when no prompt passed 392 tokens). The others' lengths spread from half a chunk to three chunks. A different
     seed from the accuracy prompts, so accuracy is measured on inputs the ranges never saw."""
