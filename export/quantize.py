@@ -230,7 +230,7 @@ def _ranges(q, src: str, ops: list[str], feeds: Iterable[dict], tmp: str):
     """Each tensor's (min, max) over `feeds` (onnxruntime's MinMax calibrator), and how many feeds it read."""
     calibrator = q.create_calibrator(Path(src), ops, augmented_model_path=f"{tmp}/augmented.onnx",
                                      calibrate_method=q.CalibrationMethod.MinMax, use_external_data_format=True)
-    read = 0
+    it, read = iter(feeds), 0
 
     class Reader(q.CalibrationDataReader):
         def get_next(self):
@@ -238,7 +238,6 @@ def _ranges(q, src: str, ops: list[str], feeds: Iterable[dict], tmp: str):
             feed = next(it, None)
             read += feed is not None
             return feed
-    it = iter(feeds)
     calibrator.collect_data(Reader())
     return calibrator.compute_data(), read
 
