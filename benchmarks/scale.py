@@ -76,7 +76,8 @@ def export_run(folder: Path, out: Path, extra: list[str], timeout: float) -> dic
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "export", "--kind", "lm", "--weights", str(folder), "--out", str(out), *extra]
     start = time.perf_counter()
-    with open(out.with_suffix(".log"), "w") as log:
+    log_path = out.parent / f"{out.name}.log"  # not with_suffix: "qwen3-0.6b-fp32" has a dot
+    with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = start + timeout
         while (status := os.wait4(proc.pid, os.WNOHANG))[0] == 0:
@@ -85,7 +86,7 @@ def export_run(folder: Path, out: Path, extra: list[str], timeout: float) -> dic
             time.sleep(0.5)
     wall = time.perf_counter() - start
     _, code, usage = status
-    lines = out.with_suffix(".log").read_text(errors="replace").splitlines()
+    lines = log_path.read_text(errors="replace").splitlines()
     row = {"command": " ".join(cmd[1:]), "wall_s": round(wall, 1), "peak_rss_bytes": usage.ru_maxrss * 1024,
            "exit": os.waitstatus_to_exitcode(code)}
     if row["exit"] != 0:
@@ -104,7 +105,7 @@ def export_run(folder: Path, out: Path, extra: list[str], timeout: float) -> dic
 def markdown(doc: dict) -> str:
     lines = [f"Export cost against model size ({doc['machine']}); `python -m export --kind lm` per row, the default "
              "window ladder and every target (+ `--quant int4` where named), random bf16 weights.", "",
-             "| model | params | fp32 weights GB | variant | wall s | peak RSS GB | RSS / fp32 weights | s per 100M params "
+             "| model | params | fp32 weights GiB | variant | wall s | peak RSS GiB | RSS / fp32 weights | s per 100M params "
              "| graphs | stages (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         fp32 = 4 * r["params"]
@@ -142,6 +143,15 @@ def plot(doc: dict) -> bytes:
     return buf.getvalue()
 
 
+def _merged(out: Path, results: list[dict]) -> list[dict]:
+    """The rows already in out/results.json, each (model, variant) measured now replaced: a shape can be run alone
+    (the 1.7B one takes most of an hour) without losing the others. Ordered by parameters, then variant."""
+    path, fresh = out / "results.json", {(r["model"], r["variant"]) for r in results}
+    old = json.loads(path.read_text())["results"] if path.exists() else []
+    rows = [r for r in old if (r["model"], r["variant"]) not in fresh] + results
+    return sorted(rows, key=lambda r: (r["params"], list(VARIANTS).index(r["variant"])))
+
+
 def main(argv=None) -> int:
     p = Parser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=SHAPES, help="shapes to export [all]")
@@ -168,7 +178,7 @@ def measure(args) -> int:
             print(f"  {row['wall_s']:.0f} s, peak RSS {row['peak_rss_bytes'] / GB:.2f} GiB"
                   + (f": {row['error']}" if "error" in row else ""), flush=True)
             results.append(row)
-    doc = {"machine": f"{machine(os.cpu_count())['cpu']}, {os.cpu_count()} cores", "results": results}
+    doc = {"machine": f"{machine(os.cpu_count())['cpu']}, {os.cpu_count()} cores", "results": _merged(out, results)}
     files = {"results.json": (json.dumps(doc, indent=2) + "\n").encode(), "results.md": markdown(doc).encode(),
              "scale.png": plot(doc)}
     out.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,9 @@ the manifest last: a manifest on disk means its graphs passed.
 """
 from __future__ import annotations
 
-import functools
 import shutil
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import onnx
@@ -26,11 +26,13 @@ from runtime.artifacts import open_generator
 from runtime.drivers import HostCacheGenerator, mask_inputs
 from runtime import accuracy
 from runtime.metrics import Budget, why_not
-from runtime.parity import (TOLERANCE, StepCase, reference_model, sequence_parity, step_case, step_parity, token_parity,
-                            worst)
+from runtime.parity import (TOLERANCE, SequenceReference, StepCase, compare_sequence, prefix_caches, reference_model,
+                            sequence_reference, step_case, step_parity, worst)
 from runtime.session import StepSession
+from runtime.shared_weights import SharedWeights
 
 from .atomic import staged_dir, write_json
+from .eager import EagerReferences, release_memory
 from . import quantize, windows as ladders
 from .manifest import attention_layers, build_manifest
 from .progress import Progress
@@ -81,62 +83,56 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
     config = model_config(config, kind, weights)
     ladder = ladders.check(tuple(windows) or (config.capacity,), config)
     model = build_model(config, kind, seed, weights, layer)
-    reference = reference_model(model)
-    graphs, sequence, floats = [], {}, {}
+    weights_info = {"source": weights or f"random(seed={seed})", "layer": layer, "checksum": checksum(model)}
+    attention = attention_layers(model.attention_windows()) if kind == "lm" else None
     ort_targets = targets + tuple(quantize.target(q) for q in quant if quantize.SCHEMES[q].base == "ort")
     qdq = [q for q in quant if quantize.SCHEMES[q].base == "npu"]
     progress = Progress(len(ladder) * len(STEPS) * len(ort_targets) + len(qdq) * len(STEPS), log)
     with staged_dir(out_dir) as tmp:
-        store = WeightsFile(tmp) if kind == "lm" or len(ladder) > 1 else None
-
-        # eager's outputs for a window's parity cases of a step, computed once and shared by every target; one window's
-        # step at a time, as its cases hold the caches three times over (the QDQ graphs, checked last, compute theirs
-        # again)
-        @functools.lru_cache(maxsize=1)
-        def cases(window, step):
-            cw = config.replace(capacity=window)
-            return [step_case(reference, cw, step_len(cw, step), p0, seed, kind) for p0 in parity_cases(cw, step)]
-
-        def build(graph, report, step, target, window=config.capacity):
-            with progress.stage("checks"):
-                entry = _publish(cases(window, step), config.replace(capacity=window), kind, graph, report, step,
-                                 target, tmp, store, ladders.suffix(window, config))
-            progress.graph(_graph_line(entry))
-            return entry
-        for step in STEPS:
-            with progress.stage("trace"):
-                traced = _tracer(model, config, step, opset, kind, ladder, log)
-            pipeline = {t: t if _quantized(t, step) else quantize.split(t)[0] for t in ort_targets}
-            for window in ladder:
-                cases.cache_clear()  # the last window's cases go before this one's are computed
-                with progress.stage("trace"):
-                    exported, pins = traced(window)
-                with progress.stage("passes"):  # every target's passes, each prefix they share run once
-                    done = run_pipelines(exported, list(pipeline.values()), pins)
-                for target in ort_targets:
-                    graph, report = done[pipeline[target]]
-                    if target == "npu" and window == config.capacity and qdq:
-                        floats[step] = (graph.clone(), report)
-                    graphs.append(build(graph, report, step, target, window))
-        for q in qdq:  # over C rows only: calibration is slow
-            with progress.stage("calibration"):
-                graphs += _qdq_graphs(q, graphs, floats, tmp, config, kind, build)
-        cases.cache_clear()  # not needed by the sequence parity below
-        weights_info = {"source": weights or f"random(seed={seed})", "layer": layer, "checksum": checksum(model)}
-        extras = {}
-        if store is not None:
-            weights_info |= {"file": WEIGHTS_FILE, "bytes": store.close()}
-            extras = _lm_extras(weights, tmp)
-        if kind == "lm":
-            extras["attention"] = attention_layers(model.attention_windows())
-        for target in dict.fromkeys(g["target"] for g in graphs):
-            with progress.stage("sequence parity"):
-                sequence[target] = _sequence_parity(model, config, kind, graphs, target, tmp, seed)
-            sequence[target]["windows"] = [g["window"] for g in graphs if g["target"] == target and g["step"] == "decode"]
-            log(f"{target}: sequence parity {sequence[target]['max_rel']:.1e} ({progress.elapsed():.0f} s)")
-        if quant:
-            with progress.stage("quantized accuracy"):
-                extras["quantization"] = _quantization(model, config, kind, graphs, quant, tmp)
+        eager = EagerReferences(tmp / ".eager")
+        try:
+            store = WeightsFile(tmp) if kind == "lm" or len(ladder) > 1 else None
+            # 1. With the eager model: every graph made and saved, and every output of eager's that a check needs
+            saved = _make_graphs(model, config, kind, seed, opset, ladder, ort_targets, tmp, store, eager, progress, log)
+            with progress.stage("eager references"):
+                eager.sequences = {w: _sequence_reference(model, config, kind, w, seed)
+                                   for w in {ladder} | ({(config.capacity,)} if qdq else set())}
+                if quant and kind == "lm":
+                    eager.accuracy = accuracy.references(reference_model(model), accuracy.prompt_set(config), config)
+            del model
+            release_memory()
+            # 2. Without it: each graph checked in onnxruntime against those outputs, then each target's sequence; a
+            # target's sessions read one mapping of the weights file, dropped before the next target's
+            graphs, sequence = [None] * len(saved), {}
+            for target in ort_targets:
+                shared = SharedWeights()
+                for i, entry in ((i, e) for i, e in enumerate(saved) if e["target"] == target):
+                    with progress.stage("checks"):
+                        graphs[i] = _check_graph(entry, eager.cases(entry["window"], entry["step"]), config, kind, tmp,
+                                                 shared)
+                    progress.graph(_graph_line(graphs[i]))
+                sequence[target] = _sequence_check(eager.sequences, config, graphs, target, tmp, shared, progress, log)
+                del shared
+                release_memory()
+            for q in qdq:  # over C rows only: calibration is slow
+                shared = SharedWeights()
+                with progress.stage("calibration"):
+                    graphs += _qdq_graphs(q, graphs, config, kind, tmp, store, eager, shared, progress)
+                target = quantize.target(q)
+                sequence[target] = _sequence_check(eager.sequences, config, graphs, target, tmp, shared, progress, log)
+                del shared
+                release_memory()
+            extras = {}
+            if store is not None:
+                weights_info |= {"file": WEIGHTS_FILE, "bytes": store.close()}
+                extras = _lm_extras(weights, tmp)
+            if attention is not None:
+                extras["attention"] = attention
+            if quant:
+                with progress.stage("quantized accuracy"):
+                    extras["quantization"] = _quantization(eager.accuracy, config, kind, graphs, quant, tmp)
+        finally:
+            eager.close()
         manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, sequence, weights_info, extras, ladder)
         write_json(tmp / "manifest.json", manifest)
     log(f"wrote {out_dir}: {len(graphs)} graphs")
@@ -158,6 +154,41 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
                 f"greedy {a['greedy_match']:.0%}")
     log(progress.summary())
     return manifest
+
+
+def _make_graphs(model, config: AttentionConfig, kind: str, seed: int, opset: int, ladder: tuple, targets: tuple,
+                 tmp: Path, store: WeightsFile | None, eager: EagerReferences, progress: Progress, log) -> list[dict]:
+    """Every step's graph per window and target, traced, rewritten and saved (checked as a graph: fusion, the onnx
+    checker, static shapes, npu lint); eager's outputs for each window's step cases beside them. The entries still lack
+    their parity (_check_graph)."""
+    reference, saved = reference_model(model), []
+    with progress.stage("eager references"):  # the cases' cache rows, for every window and step
+        eager.keep_prefix(prefix_caches(reference, config, max(max(parity_cases(config.replace(capacity=w), s))
+                                                                for w in ladder for s in STEPS), seed, kind))
+    for step in STEPS:
+        with progress.stage("trace"):
+            traced = _tracer(model, config, step, opset, kind, ladder, log)
+        pipeline = {t: t if _quantized(t, step) else quantize.split(t)[0] for t in targets}
+        for window in ladder:
+            with progress.stage("trace"):
+                exported, pins = traced(window)
+            with progress.stage("passes"):  # every target's passes, each prefix they share run once
+                done = run_pipelines(exported, list(pipeline.values()), pins)
+            cw = config.replace(capacity=window)
+            with progress.stage("save"):
+                saved += [_save(*done[pipeline[t]], cw, kind, step, t, tmp, store, ladders.suffix(window, config))
+                          for t in targets]
+            del exported, done
+            with progress.stage("eager references"):
+                prefix = eager.prefix()
+                for p0 in parity_cases(cw, step):
+                    eager.add_case(window, step, step_case(reference, cw, step_len(cw, step), p0, seed, kind, prefix))
+                del prefix
+            release_memory()  # the passes' garbage: glibc would keep it in the process's heap
+            log(f"{step} over {window} rows: {len(targets)} graph(s) saved ({progress.elapsed():.0f} s)")
+        del traced  # before the next step's trace: two traced graphs and a trace's garbage were 1 GB at 0.6B
+        release_memory()
+    return saved
 
 
 def _graph_line(g: dict) -> str:
@@ -192,19 +223,25 @@ def _tracer(model, config: AttentionConfig, step: str, opset: int, kind: str, la
     return lambda window: (to_onnx(model, config.replace(capacity=window), t, opset, kind), None)
 
 
-def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config: AttentionConfig, kind: str,
-                build) -> list[dict]:
-    """The npu graphs in QDQ form, their activation ranges recorded by running the float npu graphs just written."""
-    sessions = [StepSession(tmp / g["file"], g["inputs"], g["outputs"], provider="cpu") for step in STEPS
-                for g in graphs if g["step"] == step and g["target"] == "npu" and g["window"] == config.capacity]
+def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: str, tmp: Path,
+                store: WeightsFile | None, eager: EagerReferences, shared: SharedWeights, progress: Progress) -> list[dict]:
+    """The npu graphs over C rows in QDQ form, their activation ranges recorded by running the float npu graphs just
+    written; each saved and checked as the others."""
+    floats = {g["step"]: g for g in graphs if g["target"] == "npu" and g["window"] == config.capacity}
+    sessions = [StepSession(tmp / floats[step]["file"], floats[step]["inputs"], floats[step]["outputs"],
+                            provider="cpu", weights=shared) for step in STEPS]
     driver, inputs = HostCacheGenerator(*sessions, quantize.QDQ_MASK_VALUE), quantize.calibration_inputs(config, kind)
     out = []
     for step in STEPS:
-        graph, report = floats[step]
-        qdq, feeds = quantize.qdq(graph, quantize.step_feeds(driver, inputs, kind, step))
+        float_graph = ir.external_data.load_to_model(ir.load(tmp / floats[step]["file"]))  # qdq() saves it elsewhere
+        qdq, feeds = quantize.qdq(float_graph, quantize.step_feeds(driver, inputs, kind, step))
         entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {feeds} calibration feeds",
                  "stats": {"quantize_linear": sum(n.op_type == "QuantizeLinear" for n in qdq.graph)}, "not_matched": []}
-        out.append(build(qdq, {**report, "passes": report["passes"] + [entry]}, step, quantize.target(scheme)))
+        report = {"passes": floats[step]["passes"] + [entry]}
+        target = quantize.target(scheme)
+        saved = _save(qdq, report, config, kind, step, target, tmp, store)
+        out.append(_check_graph(saved, eager.cases(config.capacity, step), config, kind, tmp, shared))
+        progress.graph(_graph_line(out[-1]))
         out[-1]["calibration"] = {"method": "MinMax", "feeds": feeds,
                                   "inputs": f"{quantize.CALIBRATION_PROMPTS} seeded random prompts "
                                             f"({'token ids' if kind == 'lm' else 'hidden states'}: "
@@ -215,12 +252,14 @@ def _qdq_graphs(scheme: str, graphs: list[dict], floats: dict, tmp: Path, config
     return out
 
 
-def _publish(cases: list[StepCase], config: AttentionConfig, kind: str, graph: ir.Model, report: dict, step: str,
-             target: str, tmp: Path, store: WeightsFile | None, suffix: str = "") -> dict:
-    """Save the target's graph over `config.capacity` rows (named with `suffix`), and check it before it counts."""
+def _save(graph: ir.Model, report: dict, config: AttentionConfig, kind: str, step: str, target: str, tmp: Path,
+          store: WeightsFile | None, suffix: str = "") -> dict:
+    """Save the target's graph over `config.capacity` rows (named with `suffix`), checked as a graph: every attention
+    fused, the onnx checker, static shapes, npu lint."""
     base, scheme = quantize.split(target)
-    fused = _check_fused(graph, report, base, config.num_layers if kind == "lm" else 1, f"{step}.{target}{suffix}")
-    path = tmp / f"{step}.{target}{suffix}.onnx"
+    what = f"{step}.{target}{suffix}"
+    fused = _check_fused(graph, report, base, config.num_layers if kind == "lm" else 1, what)
+    path = tmp / f"{what}.onnx"
     if store is not None:
         store.externalize(graph)
         ir.save(graph, path)
@@ -238,23 +277,30 @@ def _publish(cases: list[StepCase], config: AttentionConfig, kind: str, graph: i
     t = step_len(config, step)
     io = npu_io_specs(config, t, kind, tuple(mask_inputs(v.name for v in graph.graph.inputs))) if base == "npu" \
         else io_specs(config, t, kind)
-    session = StepSession(path, io["inputs"], io["outputs"], provider="cpu")
-    mask = quantize.mask_value(target)
-    runner = HostCacheGenerator(session, session, mask) if base == "npu" else session
+    return {"step": step, "target": target, "window": config.capacity, "file": path.name, "external_data": data,
+            "bytes": path.stat().st_size + ((tmp / data).stat().st_size if data and store is None else 0),
+            "cache_in_place": base in IN_PLACE_TARGETS, "attention_fused": fused, **io,
+            **({"host_cache": {"mask_value": quantize.mask_value(target)}} if base == "npu" else {}),
+            **({"quantized": _quantized(target, step)} if scheme else {}),
+            "passes": report["passes"]}
+
+
+def _check_graph(saved: dict, cases: Iterable[StepCase], config: AttentionConfig, kind: str, tmp: Path,
+                 shared: SharedWeights) -> dict:
+    """The saved graph's step parity in onnxruntime against eager's `cases`: its manifest entry, or ParityError."""
+    step, target, path = saved["step"], saved["target"], tmp / saved["file"]
+    config = config.replace(capacity=saved["window"])
+    session = StepSession(path, saved["inputs"], saved["outputs"], provider="cpu", weights=shared)
+    runner = HostCacheGenerator(session, session, saved["host_cache"]["mask_value"]) if "host_cache" in saved else session
     # The caches hold eager's rows for a real prefix (runtime/parity.step_case): a quantized graph's ranges were
     # calibrated on real rows too (tiny w8a16 decode measured 0.42 on random rows, 0.09 on prefilled ones).
     results = [step_parity(case, runner, config) for case in cases]
     err, held = worst(results), _budget(config, target)
     _check(err, held, f"{path.name}: step parity")
-    return {"step": step, "target": target, "window": config.capacity, "file": path.name, "external_data": data,
-            "bytes": path.stat().st_size + ((tmp / data).stat().st_size if data and store is None else 0),
-            "cache_in_place": base in IN_PLACE_TARGETS, "attention_fused": fused, **io,
-            **({"host_cache": {"mask_value": mask}} if base == "npu" else {}),
-            **({"quantized": _quantized(target, step)} if scheme else {}),
-            "parity": {"reference": "eager PyTorch, fp32", "tolerance": held.max_rel, **err,
-                       "caches": "rows before p0 eager's own, from a random prefix",
-                       "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel")} for c in results]},
-            "passes": report["passes"]}
+    parity = {"reference": "eager PyTorch, fp32", "tolerance": held.max_rel, **err,
+              "caches": "rows before p0 eager's own, from a random prefix",
+              "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel")} for c in results]}
+    return {**{k: v for k, v in saved.items() if k != "passes"}, "parity": parity, "passes": saved["passes"]}
 
 
 def _lm_extras(weights: str | None, tmp: Path) -> dict:
@@ -287,24 +333,43 @@ def _check_fused(graph: ir.Model, report: dict, target: str, layers: int, what: 
     return f"{done}/{layers}"
 
 
-def _sequence_parity(model, config: AttentionConfig, kind: str, graphs: list[dict], target: str, tmp: Path,
-                     seed: int) -> dict:
-    """A prompt in chunks, then decode steps, through the target's window ladder: the prompt ends a few rows before
-    the last switch, so its chunks cross every smaller window's end and the decode steps cross the last."""
-    driver = _driver(config, graphs, target, tmp)
-    decode_steps = min(16, config.capacity // 2)  # a prompt over one chunk, then up to 16 decode steps
+def _sequence_plan(config: AttentionConfig, ladder: tuple) -> tuple[int, int]:
+    """(prompt length, decode steps) of a sequence check over `ladder`: a prompt over one chunk, then up to 16 decode
+    steps; over a ladder the prompt ends a few rows before the last switch, so its chunks cross every smaller window's
+    end and the decode steps cross the last."""
+    decode_steps = min(16, config.capacity // 2)
     prompt_len = min(config.capacity - decode_steps, config.chunk + config.chunk // 2 + 1)
-    if len(driver.windows) > 1:
-        prompt_len = min(max(prompt_len, driver.windows[-2] - decode_steps // 2), config.capacity - decode_steps)
-    check = token_parity if kind == "lm" else sequence_parity
-    seq = check(model, driver, config, prompt_len=prompt_len, decode_steps=decode_steps, seed=seed)
-    _check(seq, _budget(config, target), f"{target}: sequence parity (against the full-sequence forward)")
+    if len(ladder) > 1:
+        prompt_len = min(max(prompt_len, ladder[-2] - decode_steps // 2), config.capacity - decode_steps)
+    return prompt_len, decode_steps
+
+
+def _sequence_reference(model, config: AttentionConfig, kind: str, ladder: tuple, seed: int) -> SequenceReference:
+    return sequence_reference(model, config, *_sequence_plan(config, ladder), seed, kind)
+
+
+def _sequence_check(references: dict, config: AttentionConfig, graphs: list[dict], target: str, tmp: Path,
+                    shared: SharedWeights, progress: Progress, log) -> dict:
+    with progress.stage("sequence parity"):
+        seq = _sequence_parity(references, config, [g for g in graphs if g is not None], target, tmp, shared)
+    release_memory()  # the driver's sessions and caches (a driver holds reference cycles)
+    log(f"{target}: sequence parity {seq['max_rel']:.1e} ({progress.elapsed():.0f} s)")
     return seq
 
 
-def _driver(config: AttentionConfig, graphs: list[dict], target: str, tmp: Path):
+def _sequence_parity(references: dict, config: AttentionConfig, graphs: list[dict], target: str, tmp: Path,
+                     shared: SharedWeights) -> dict:
+    """The target's driver over its window ladder against the full-sequence forward planned for that ladder."""
+    driver = _driver(config, graphs, target, tmp, weights=shared)
+    seq = compare_sequence(references[tuple(driver.windows)], driver)
+    _check(seq, _budget(config, target), f"{target}: sequence parity (against the full-sequence forward)")
+    return {**seq, "windows": driver.windows}
+
+
+def _driver(config: AttentionConfig, graphs: list[dict], target: str, tmp: Path, **session_options):
     """The runtime's driver over the target's graphs just written, as a user opens them (every window)."""
-    return open_generator(tmp, target, manifest={"graphs": graphs, "config": config.to_dict()}, provider="cpu")
+    return open_generator(tmp, target, manifest={"graphs": graphs, "config": config.to_dict()}, provider="cpu",
+                          **session_options)
 
 
 def _budget(config: AttentionConfig, target: str) -> Budget:
@@ -318,16 +383,17 @@ def _check(err: dict, budget: Budget, what: str, error: type[ParityError] = Pari
         raise error(f"{what} against fp32 eager PyTorch: {why}; expected {quantize.spell(budget)}")
 
 
-def _quantization(model, config: AttentionConfig, kind: str, graphs: list[dict], quant: tuple, tmp: Path) -> dict:
-    """Each quantized target's scheme and, for the whole model, its accuracy (runtime/accuracy.py) on one prompt set,
-    held to the scheme's whole budget (max_rel, KL, top-1)."""
+def _quantization(references: list | None, config: AttentionConfig, kind: str, graphs: list[dict], quant: tuple,
+                  tmp: Path) -> dict:
+    """Each quantized target's scheme and, for the whole model, its accuracy (runtime/accuracy.py) on one prompt set
+    against eager's `references` of it, held to the scheme's whole budget (max_rel, KL, top-1)."""
     found = {quantize.target(q): quantize.describe(q) for q in quant}
     if kind != "lm":
         return found
     prompts = accuracy.prompt_set(config)
-    refs = accuracy.references(reference_model(model), prompts)
     for target in found:
-        measured = accuracy.measure(_driver(config, graphs, target, tmp), prompts, refs)
+        measured = accuracy.measure(_driver(config, graphs, target, tmp, weights=SharedWeights()), prompts, references)
+        release_memory()
         _check(measured, quantize.budget(target, TOLERANCE[config.dtype]), f"{target}: accuracy on the prompt set",
                AccuracyError)
         found[target]["accuracy"] = {"reference": "eager PyTorch fp32", **measured}

@@ -5,9 +5,11 @@ byte for byte: each tensor above a small size goes into `weights.data` once, at 
 every graph that holds it points to (the ONNX external-data convention, which onnxruntime
 and the onnx checker read). A tied lm_head whose graph holds a transposed copy of the
 embedding (the exporter folds `x @ E^T` into a constant E^T) points back at the embedding
-through a Transpose instead, and a weight that pack_matmuls concatenated from others (the
-`ort` target's q/k/v and gate/up) is a Concat of those: onnxruntime folds both when it
-loads the graph, so the file holds each number once.
+through a Transpose instead (onnxruntime folds it at load, or, not folding, runs its MatMul
+with transB). The `ort` target's packed q/k/v and gate/up (pack_matmuls) are stored as
+packed, beside the parts the other targets read: as a Concat of the parts, a runtime that
+does not fold it (the export's checks over one shared mapping) computes every layer's pack
+before the first layer runs (onnxruntime's order), 1.1 GB at 0.6B, at every step.
 """
 from __future__ import annotations
 
@@ -35,7 +37,6 @@ class WeightsFile:
     def externalize(self, model: ir.Model) -> None:
         """Point every large initializer of `model` at its bytes in the shared file (written on first sight)."""
         _share_transposes(model)
-        _share_concats(model)
         for value in model.graph.initializers.values():
             tensor = value.const_value
             if tensor is None or tensor.nbytes < INLINE_BYTES or isinstance(tensor, ir.ExternalTensor):
@@ -73,7 +74,7 @@ def _share_transposes(model: ir.Model) -> None:
     by_shape = {}
     for v in matrices:
         by_shape.setdefault((v.const_value.dtype, tuple(v.const_value.shape)), []).append(v)
-    first, replaced = next(iter(graph), None), set()
+    replaced = set()
     for v in matrices:
         rows, cols = v.const_value.shape
         for source in by_shape.get((v.const_value.dtype, (cols, rows)), []):
@@ -83,29 +84,17 @@ def _share_transposes(model: ir.Model) -> None:
             replaced.add(id(v))
             node = ir.node("Transpose", [source], attributes={"perm": [1, 0]}, name=f"{v.name}/tied")
             node.outputs[0].name, node.outputs[0].shape, node.outputs[0].type = f"{v.name}/tied", v.shape, v.type
-            graph.insert_before(first, node)
+            graph.insert_before(_first_user(graph, v), node)
             v.replace_all_uses_with(node.outputs[0])
             graph.initializers.pop(v.name)
             break
 
 
-def _share_concats(model: ir.Model) -> None:
-    """An initializer a pass built by concatenating others (value.meta['concat_of']) becomes Concat(those)."""
-    graph = model.graph
-    first = next(iter(graph), None)
-    for value in [v for v in graph.initializers.values() if "concat_of" in v.meta and v.uses()]:
-        axis, parts = value.meta["concat_of"]
-        inputs = []
-        for i, tensor in enumerate(parts):
-            part = ir.Value(name=f"{value.name}/part{i}", shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
-                            const_value=tensor)
-            graph.register_initializer(part)
-            inputs.append(part)
-        node = ir.node("Concat", inputs, attributes={"axis": axis}, name=f"{value.name}/concat")
-        node.outputs[0].name, node.outputs[0].shape, node.outputs[0].type = f"{value.name}/concat", value.shape, value.type
-        graph.insert_before(first, node)
-        value.replace_all_uses_with(node.outputs[0])
-        graph.initializers.pop(value.name)
+def _first_user(graph: ir.Graph, value: ir.Value) -> ir.Node:
+    """The first node in graph order that reads `value`: a Transpose put there runs where it is needed in a runtime
+    that keeps the graph's order and does not fold it."""
+    users = {id(user) for user, _ in value.uses()}
+    return next(node for node in graph if id(node) in users)
 
 
 def _transposed(a: np.ndarray, b: np.ndarray) -> bool:

@@ -108,9 +108,13 @@ class HFStep(nn.Module):
         window = getattr(self.text_config, "sliding_window", None)
         return [window if local else None for local in self.sliding]
 
-    def forward_full(self, input_ids):
-        """Logits [B,S,V] at every position of input_ids [B,S] (positions 0..S-1): transformers' forward, no cache."""
-        return self.model(input_ids=input_ids, use_cache=False).logits
+    def forward_full(self, input_ids, keep: int = 0):
+        """Logits [B,S,V] at every position of input_ids [B,S] (positions 0..S-1): transformers' forward, no cache
+        (`keep`: at the last `keep` positions only)."""
+        if keep and self._keeps:
+            return self.model(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        return logits[:, -keep:].clone() if keep else logits
 
     def generate_greedy(self, input_ids, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' own generate, greedy, exactly `new_tokens` past input_ids [B,S]: (tokens [B,N], the logits that

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from .analysis import as_view, chain_value, const, element_ids, group_repeat, scalar, static_shape, trace_movement
+from .analysis import (as_view, chain_value, const, element_ids, group_repeat, has_duplicates, scalar, static_shape,
+                       trace_movement)
 from .base import FusionPass, NotFused, Skip
 from .build import Builder, replace_value
 
@@ -91,7 +92,7 @@ class FuseAttention(FusionPass):
     def _count_repeat(self, node: ir.Node, rep: int, k_ids: np.ndarray) -> None:
         if rep > 1:
             self.stats["repeat_removed"] += 1
-        elif np.unique(k_ids).size < k_ids.size:
+        elif has_duplicates(k_ids):
             self.stats["repeat_kept"] += 1
             self.note(node, "K/V heads are repeated in an order Attention cannot group (not h0,h0,h1,h1): "
                             "fused with the repeat kept")

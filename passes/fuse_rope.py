@@ -222,9 +222,11 @@ def _angles(table: np.ndarray, interleaved: bool) -> np.ndarray:
 
 
 def _table_rows(model: ir.Model, value: ir.Value) -> int:
-    """How many positions the table behind `value` holds: the rows of the constant it gathers from, else the rows
-    of the caches ([B, Hkv, C, D] float inputs a scatter writes), which the positions index (the evaluation then
-    checks each row)."""
+    """How many positions the table behind `value` must hold: the rows of the constant it gathers from, but no more
+    than the caches hold ([B, Hkv, C, D] float inputs a scatter writes: the contract's positions are below C, and each
+    row is one evaluation; a 0.6B model gathers from 32768 rows); with no such constant, the caches' rows (the
+    evaluation then checks each row)."""
+    caches = [static_shape(v)[2] for v in model.graph.inputs if _is_written_cache(v)]
     stack, seen = [value], set()
     while stack:
         v = stack.pop()
@@ -233,9 +235,9 @@ def _table_rows(model: ir.Model, value: ir.Value) -> int:
             continue
         seen.add(id(node))
         if node.op_type in ("Gather", "GatherND") and const(node.inputs[0]) is not None:
-            return int(static_shape(node.inputs[0])[0])
+            rows = int(static_shape(node.inputs[0])[0])
+            return min(rows, max(caches)) if caches else rows
         stack.extend(node.inputs)
-    caches = [static_shape(v)[2] for v in model.graph.inputs if _is_written_cache(v)]
     if not caches:
         raise NotFused("cos/sin are computed from the positions, not gathered from a table, and no [B, Hkv, C, D] "
                        "cache input written by a scatter bounds the positions")

@@ -33,8 +33,6 @@ class PackMatMuls(GraphPass):
             lead = list(static_shape(nodes[0].outputs[0])[:-1])
             tensors = [n.inputs[1].const_value for n in nodes]
             weight = b.initializer(_concatenation(tensors), "packed_weight")
-            # What it packs, so a file that stores the parts already can keep them once (export/weights_file.py).
-            weight.meta["concat_of"] = (1, tensors)
             packed = b.op("MatMul", [x, weight], lead + [sum(sizes)], nodes[0].outputs[0].dtype)
             parts = b.op("Split", [packed, b.const(np.array(sizes, np.int64), "sizes")], None, None,
                          num_outputs=len(nodes), shapes=[lead + [s] for s in sizes],
@@ -49,7 +47,7 @@ class PackMatMuls(GraphPass):
 
 def _concatenation(parts: list[ir.TensorProtocol]) -> ir.LazyTensor:
     """The 2-D parts side by side, computed each time it is read rather than held: a whole model's q/k/v and gate/up
-    are most of its weights, and an export stores the parts (a Concat of them) rather than this."""
+    are most of its weights, and an export writes this to its weights file once, then drops it."""
     shape = ir.Shape([parts[0].shape[0], sum(p.shape[1] for p in parts)])
     return ir.LazyTensor(lambda: ir.tensor(np.concatenate([p.numpy() for p in parts], axis=1)), dtype=parts[0].dtype,
                          shape=shape)

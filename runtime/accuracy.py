@@ -42,11 +42,12 @@ def prompt_set(config, seed: int = 1234) -> list[np.ndarray]:
     return [np.repeat(rng.integers(0, config.vocab_size, (1, n)), config.batch, axis=0) for n in lengths[:PROMPTS]]
 
 
-def references(model, prompts: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Eager fp32's greedy continuation of each prompt and the logits that chose it ([N], [N, V])."""
+def references(model, prompts: list[np.ndarray], config=None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Eager fp32's greedy continuation of each prompt and the logits that chose it ([N], [N, V]) (`config`: the
+    model's, for models/lm.greedy's cached proposals)."""
     out = []
     for p in prompts:
-        tokens, logits = greedy(model, torch.from_numpy(p[:1]), DECODE_STEPS + 1)
+        tokens, logits = greedy(model, torch.from_numpy(p[:1]), DECODE_STEPS + 1, config)
         out.append((tokens[0].numpy(), logits[0].numpy()))
     return out
 

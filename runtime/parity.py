@@ -35,27 +35,37 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
 @dataclass(frozen=True)
 class StepCase:
     """One step's inputs at positions p0..p0+T-1 and eager fp32's outputs for them (the caches' rows up to p0+T-1):
-    computed once, then every target's graph of that step is held to it."""
+    computed once, then every target's graph of that step is held to it. `ref` holds cache rows from `kept` on: the
+    rows before it eager left as the inputs had them (a 0.6B model's full cache is 470 MB; a case keeps it once)."""
     kind: str
     p0: int
     seq_len: int
     args: tuple
     ref: tuple
+    kept: int = 0
+
+    def expected_rows(self, i: int) -> torch.Tensor:
+        """Eager's rows 0..p0+T-1 of the i-th cache."""
+        if not self.kept:
+            return self.ref[1 + i]
+        return torch.cat([self.args[2 + i][:, :, :self.kept].float(), self.ref[1 + i]], dim=2)
 
 
 def step_case(reference: torch.nn.Module, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
-              kind: str = "attention") -> StepCase:
+              kind: str = "attention", prefix: list[torch.Tensor] | None = None) -> StepCase:
     """The case at p0 for `reference` (an fp32 eager model: reference_model). The cache rows before p0 hold what eager
     writes reading a random prefix (prefilled_inputs), as a cache only ever holds rows the model wrote: a trained
     model amplifies random rows far outside its range (SmolLM2-135M's deep layers: value rows off by 1e-4 between
-    onnxruntime and torch on random rows, 2e-6 on real ones)."""
-    args = prefilled_inputs(reference, config, seq_len, p0, seed, kind)
+    onnxruntime and torch on random rows, 2e-6 on real ones). `prefix`: prefix_caches() of at least p0 rows, shared
+    by every case instead of a prefix forward each."""
+    args = prefilled_inputs(reference, config, seq_len, p0, seed, kind, prefix)
     with torch.no_grad():
         out, *presents = reference(*[a.float() if a.is_floating_point() else a for a in args])
-    # Only the rows up to the last written one are compared (step_parity): the rest of each cache is not kept, as a
-    # step's cases are held while every target is checked on them (a whole model's caches are gigabytes).
+    # Only the rows up to the last written one are compared (step_parity): the rest of each cache is not kept, nor the
+    # rows before p0 where eager left them as they were.
     live = p0 + seq_len
-    return StepCase(kind, p0, seq_len, args, (out, *(r[:, :, :live].clone() for r in presents)))
+    kept = p0 if all(torch.equal(r[:, :, :p0], a[:, :, :p0].float()) for r, a in zip(presents, args[2:])) else 0
+    return StepCase(kind, p0, seq_len, args, (out, *(r[:, :, kept:live].clone() for r in presents)), kept)
 
 
 def step_parity(case: StepCase, runner: StepSession | HostCacheGenerator, config: AttentionConfig) -> dict:
@@ -74,39 +84,86 @@ def step_parity(case: StepCase, runner: StepSession | HostCacheGenerator, config
         got = runner.run({name: a.numpy() for name, a in zip(names, args)})
     live = p0 + seq_len
     errs = {outs[0]: (logit_error if kind == "lm" else error)(got[outs[0]], case.ref[0].numpy())}
-    errs |= {n: error(got[n][:, :, :live], r.numpy()) for n, r in zip(outs[1:], case.ref[1:])}
+    errs |= {n: error(got[n][:, :, :live], case.expected_rows(i).numpy()) for i, n in enumerate(outs[1:])}
     return {"p0": p0, **worst(list(errs.values())), "per_output": errs}
 
 
 def prefilled_inputs(reference: torch.nn.Module, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
-                     kind: str = "attention") -> tuple:
+                     kind: str = "attention", prefix: list[torch.Tensor] | None = None) -> tuple:
     """example_inputs, but the cache rows before p0 are what eager PyTorch writes reading a random prefix of p0
-    positions (real K/V rows, in the ranges a real sequence gives); later rows stay random (the step may not read them)."""
+    positions (real K/V rows, in the ranges a real sequence gives); later rows stay random (the step may not read them).
+    The prefix's rows come from `prefix` (prefix_caches) where given."""
     args = example_inputs(config, seq_len, p0, seed, kind)
     if p0 == 0:
         return args
-    prefix = example_inputs(config, p0, 0, seed + 1, kind)  # from position 0, so it reads only the rows it writes
-    with torch.no_grad():
-        written = reference(*[a.float() if a.is_floating_point() else a for a in prefix])[1:]
+    written = prefix or prefix_caches(reference, config, p0, seed, kind)
     caches = [torch.cat([w[:, :, :p0].to(c.dtype), c[:, :, p0:]], dim=2) for w, c in zip(written, args[2:])]
     return (*args[:2], *caches)
+
+
+def prefix_caches(reference: torch.nn.Module, config: AttentionConfig, rows: int, seed: int = 0,
+                  kind: str = "attention") -> list[torch.Tensor]:
+    """Each cache's rows 0..rows-1 as eager PyTorch writes them reading a random prefix of `rows` positions (from
+    position 0, in steps, so it reads only the rows it writes). A step is causal: the first p0 rows are what a p0-long
+    prefix of the same inputs writes, so one prefix serves every case up to `rows`."""
+    first, _, *caches = [a.float() if a.is_floating_point() else a for a in example_inputs(config, rows, 0, seed + 1, kind)]
+    step = max(config.chunk, 256)  # in steps, so one forward's scores are [H, step, C], not [H, rows, C]
+    with torch.no_grad():
+        for start in range(0, rows, step):
+            piece = first[:, start:start + step]
+            t = piece.shape[1]
+            _, *caches = reference(piece, (start + torch.arange(t)).expand(config.batch, t), *caches)
+    return [c[:, :, :rows] for c in caches]
+
+
+@dataclass(frozen=True)
+class SequenceReference:
+    """Eager fp32's side of a sequence check, computed once and held against every target's driver: the inputs (hidden
+    states [B, P+N, E], or the prompt's token ids [B, P] and eager's greedy tokens [B, N+1] for the whole model) and
+    the outputs they gave."""
+    kind: str
+    prompt_len: int
+    decode_steps: int
+    inputs: np.ndarray
+    ref: np.ndarray
+    tokens: np.ndarray | None = None
+
+
+def sequence_reference(model, config: AttentionConfig, prompt_len: int, decode_steps: int, seed: int = 0,
+                       kind: str = "attention") -> SequenceReference:
+    """A random sequence (`kind` lm: a random prompt and eager's greedy continuation) and eager's full-sequence forward
+    of it, without a cache."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "lm":
+        prompt = torch.randint(0, config.vocab_size, (config.batch, prompt_len), generator=gen)
+        tokens, ref = greedy(reference_model(model), prompt, decode_steps + 1, config)
+        return SequenceReference(kind, prompt_len, decode_steps, prompt.numpy(), ref.numpy(), tokens.numpy())
+    x = torch.randn(config.batch, prompt_len + decode_steps, config.hidden_size, generator=gen).to(config.torch_dtype)
+    with torch.no_grad():
+        ref = reference_model(model).forward_full(x.float()).numpy()
+    return SequenceReference(kind, prompt_len, decode_steps, x.numpy(), ref)
+
+
+def compare_sequence(reference: SequenceReference, driver: Driver) -> dict:
+    """The driver over the reference's sequence: a prompt in chunks, then decode steps (the whole model's on eager's
+    greedy tokens), against eager's outputs. See sequence_parity and token_parity."""
+    p, n = reference.prompt_len, reference.decode_steps
+    driver.reset()
+    if reference.kind == "lm":
+        got = [driver.feed(reference.inputs)[:, -1]]
+        got += [driver.decode(reference.tokens[:, i:i + 1])[:, -1] for i in range(n)]
+        err = logit_error(np.stack(got, axis=1), reference.ref)  # eager's greedy tokens are its argmax: top1 is theirs
+        return {"prompt_len": p, "decode_steps": n, **err, "top1_agreement": err["top1"]}
+    xs = reference.inputs
+    got = np.concatenate([driver.prefill(xs[:, :p])] + [driver.decode(xs[:, i:i + 1]) for i in range(p, p + n)], axis=1)
+    per_position = np.abs(got.astype(np.float64) - reference.ref).max(axis=(0, 2))
+    return {"prompt_len": p, "decode_steps": n, **error(got, reference.ref), "worst_position": int(per_position.argmax())}
 
 
 def sequence_parity(model, generator: Driver, config: AttentionConfig, prompt_len: int, decode_steps: int,
                     seed: int = 0) -> dict:
     """Chunked prefill of a prompt, then decode steps, against the eager full-sequence forward (no cache)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(config.batch, prompt_len + decode_steps, config.hidden_size, generator=gen).to(config.torch_dtype)
-    with torch.no_grad():
-        ref = reference_model(model).forward_full(x.float()).numpy()
-    xs = x.numpy()
-    generator.reset()
-    outs = [generator.prefill(xs[:, :prompt_len])]
-    outs += [generator.decode(xs[:, i:i + 1]) for i in range(prompt_len, prompt_len + decode_steps)]
-    got = np.concatenate(outs, axis=1)
-    per_position = np.abs(got.astype(np.float64) - ref).max(axis=(0, 2))
-    return {"prompt_len": prompt_len, "decode_steps": decode_steps, **error(got, ref),
-            "worst_position": int(per_position.argmax())}
+    return compare_sequence(sequence_reference(model, config, prompt_len, decode_steps, seed), generator)
 
 
 def token_parity(model, driver: Driver, config: AttentionConfig, prompt_len: int, decode_steps: int,
@@ -117,10 +174,4 @@ def token_parity(model, driver: Driver, config: AttentionConfig, prompt_len: int
     Reports the logits' error over the steps: normwise, KL, and top-1 (how often the runtime's top-1 token is
     eager's greedy one, also under its older name `top1_agreement`).
     """
-    prompt = torch.randint(0, config.vocab_size, (config.batch, prompt_len), generator=torch.Generator().manual_seed(seed))
-    tokens, ref = greedy(reference_model(model), prompt, decode_steps + 1)
-    driver.reset()
-    got = [driver.feed(prompt.numpy())[:, -1]]
-    got += [driver.decode(tokens[:, i:i + 1].numpy())[:, -1] for i in range(decode_steps)]
-    err = logit_error(np.stack(got, axis=1), ref.numpy())  # eager's greedy tokens are its logits' argmax: top1 is theirs
-    return {"prompt_len": prompt_len, "decode_steps": decode_steps, **err, "top1_agreement": err["top1"]}
+    return compare_sequence(sequence_reference(model, config, prompt_len, decode_steps, seed, "lm"), driver)

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from .shared_weights import SharedWeights
+
 PROVIDERS = ("cpu", "cuda", "auto")
 OPT_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -69,12 +71,14 @@ class StepSession:
 
     `inputs`/`outputs` are the manifest's specs ({'name', 'shape', 'dtype'}); without
     them the graph's own declared (static) inputs are the contract. `cache_in_place`
-    says the graph may read past_* and write present_* in one shared buffer.
+    says the graph may read past_* and write present_* in one shared buffer. `weights`: read
+    the graph's external weights through that one mapping, shared with the other sessions
+    given it (runtime/shared_weights.py).
     """
 
     def __init__(self, path: str | Path, inputs: list[dict] | None = None, outputs: list[dict] | None = None,
                  provider: str = "auto", threads: int = 0, opt_level: str = "all", cache_in_place: bool = False,
-                 profile: bool = False):
+                 profile: bool = False, weights: SharedWeights | None = None):
         if opt_level not in OPT_LEVELS:
             raise ValueError(f"unknown graph optimisation level {opt_level!r}: expected one of {', '.join(OPT_LEVELS)}")
         options = ort.SessionOptions()
@@ -82,6 +86,9 @@ class StepSession:
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
         options.enable_profiling = profile
+        if weights is not None:
+            weights.share(options, path)
+        self.weights = weights  # onnxruntime reads the mapping and does not keep it alive: the session does
         self.path = Path(path)
         self.cache_in_place = cache_in_place
         self.session = ort.InferenceSession(str(path), options, providers=resolve_providers(provider))

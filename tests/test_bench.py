@@ -152,3 +152,28 @@ def test_transformers_sourced_engine_runs_the_same_weights(tmp_path, monkeypatch
     (tmp_path / "ort-ort-hf" / "fingerprint").unlink()
     bench.prepare_transformers(config, tmp_path, tmp_path / "ort-ort-hf")
     assert not any(close(error(got, want), TOLERANCE["fp32"]) for got, want in zip(outputs("ort-ort-hf"), course))
+
+
+def test_scale_rows_merge_and_a_failed_export_is_a_row(tmp_path, monkeypatch):
+    """benchmarks.scale run on one shape keeps the others' rows, replaces its own, and a failed export is a row with
+    its error line; the export itself (a tiny random folder, in its own process) is measured for real."""
+    from benchmarks import scale
+    old = [{"model": "qwen3-0.6b", "params": 596e6, "variant": "fp32", "wall_s": 700, "peak_rss_bytes": 4e9},
+           {"model": "minimind", "params": 64e6, "variant": "fp32", "wall_s": 1, "peak_rss_bytes": 1}]
+    (tmp_path / "results.json").write_text(json.dumps({"results": old}))
+    new = [{"model": "minimind", "params": 64e6, "variant": "fp32", "wall_s": 300, "peak_rss_bytes": 3e9}]
+    merged = scale._merged(tmp_path, new)
+    assert [(r["model"], r["wall_s"]) for r in merged] == [("minimind", 300), ("qwen3-0.6b", 700)]
+    folder = tmp_path / "tiny"
+    res = subprocess.run([sys.executable, "-c", "from models.checkpoint import save_hf_folder; from models import "
+                          "preset, build_model; save_hf_folder(build_model(preset('tiny'), 'lm', 0), "
+                          f"{str(folder)!r})"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    row = scale.export_run(folder, tmp_path / "tiny-fp32", ["--windows", "none"], timeout=600)
+    assert row["exit"] == 0 and row["graphs"] == 8 and row["peak_rss_bytes"] > 100e6, row
+    assert {"trace", "passes", "checks", "sequence parity"} <= set(row["stages_s"])
+    bad = scale.export_run(folder, tmp_path / "bad", ["--windows", "7"], timeout=600)
+    assert bad["exit"] != 0 and bad["error"].startswith("error: ") and "windows" in bad["error"], bad
+    named = {"model": "tiny", "params": 1e5, "variant": "fp32"}
+    table = scale.markdown({"machine": "m", "results": [{**row, **named}, {**bad, **named, "variant": "int4"}]})
+    assert "| tiny | 0M | 0.00 | fp32 |" in table and "| int4 |" in table and "failed: error: " in table

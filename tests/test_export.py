@@ -71,10 +71,14 @@ def test_cli_exports(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
-    # a line per graph as it is checked ([k/8]), a sequence-parity line per target, the folder, the manifest, the time
-    assert len(lines) == 15 and lines[0].startswith("[1/8] prefill.raw.onnx") and "parity vs eager max rel" in lines[0]
-    assert lines[-1].startswith("time: ") and "trace" in lines[-1] and "passes" in lines[-1]
-    assert "fuse_attention: 1 fused, 0 unfused" in lines[1] and "lower_gqa: 1 fused, 0 unfused" in lines[2]
+    # a line per step as its graphs are saved; per target, a line per graph as it is checked ([k/8]) and its
+    # sequence parity; the folder, the manifest, the time
+    assert len(lines) == 17 and lines[0].startswith("prefill over 64 rows: 4 graph(s) saved")
+    lines = lines[2:]
+    assert lines[0].startswith("[1/8] prefill.raw.onnx") and "parity vs eager max rel" in lines[0]
+    assert lines[2].startswith("raw: sequence parity") and lines[-1].startswith("time: ")
+    assert "trace" in lines[-1] and "passes" in lines[-1]
+    assert "fuse_attention: 1 fused, 0 unfused" in lines[3] and "lower_gqa: 1 fused, 0 unfused" in lines[6]
     m = json.loads((out / "manifest.json").read_text())
     assert m["graphs"][0]["inputs"][0]["shape"] == [1, 16, 64]
     assert m["graphs"][1]["inputs"][2]["shape"] == [1, 2, 64, 16]
@@ -110,3 +114,40 @@ def test_weights_change_the_graph(exported, tmp_path):
     b = export_model(a.config, tmp_path, seed=1, log=lambda *_: None)
     assert a.manifest["weights"]["checksum"] != b["weights"]["checksum"]
     assert onnx.load(str(a.folder / "decode.raw.onnx")).graph.initializer != onnx.load(str(tmp_path / "decode.raw.onnx")).graph.initializer
+
+
+def _mapped_bytes(path) -> int:
+    """Bytes of `path` mapped into this process (/proc/self/maps)."""
+    total = 0
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            total += end - start
+    return total
+
+
+def test_shared_weights_are_read_through_one_mapping(tmp_path):
+    """Sessions given one SharedWeights read the weights file through one mapping: a second session maps nothing more,
+    computes what a session with its own copy does, and reads the file itself (zeroing it changes what it computes)."""
+    import numpy as np
+    from runtime.artifacts import graph_entry
+    from runtime.session import StepSession
+    from runtime.shared_weights import SharedWeights
+    m = export_model(preset("tiny"), tmp_path, kind="lm", targets=("onnx",), log=lambda *_: None)
+    data, shared, opened = (tmp_path / "weights.data").resolve(), SharedWeights(), {}
+    for step in ("prefill", "decode"):
+        g = graph_entry(m, step, "onnx")
+        opened[step] = StepSession(tmp_path / g["file"], g["inputs"], g["outputs"], provider="cpu", weights=shared)
+        mapped = mapped if step == "decode" else _mapped_bytes(data)
+    assert 0 < mapped == _mapped_bytes(data) and len(shared) > 0
+    own = StepSession(tmp_path / graph_entry(m, "decode", "onnx")["file"], provider="cpu")
+    rng = np.random.default_rng(0)
+    feeds = {s["name"]: (rng.integers(0, 8, s["shape"]) if "int" in s["dtype"] else rng.standard_normal(s["shape"]))
+             .astype(s["dtype"]) for s in opened["decode"].inputs}
+    feeds["position_ids"] = np.zeros_like(feeds["position_ids"])
+    before = opened["decode"].run(feeds)["logits"]
+    assert np.allclose(before, own.run(feeds)["logits"], atol=1e-5) and np.abs(before).max() > 0
+    with open(data, "r+b") as f:
+        f.write(b"\0" * data.stat().st_size)
+    assert not np.allclose(opened["decode"].run(feeds)["logits"], before, atol=1e-3)

@@ -187,8 +187,8 @@ def test_export_sequence_parity_refuses_a_stale_cache(tmp_path, monkeypatch):
     """Graphs that pass every step, run by a driver whose cache loses each step's rows: the sequence check refuses."""
     real = exporter._driver
 
-    def stale(*args):
-        driver = real(*args)
+    def stale(*args, **kwargs):
+        driver = real(*args, **kwargs)
         step = driver._step
 
         def forgetful(session, x, p0):

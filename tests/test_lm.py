@@ -241,3 +241,21 @@ def test_cat_cache_step_is_the_same_model():
             logits, past = model.forward_cat(ids[:, p:p + 1], torch.tensor([[p]]), past)
             steps.append(logits)
     assert torch.allclose(torch.cat(steps, 1), full[:, 12:], atol=1e-5) and past[0][0].shape == (1, 20, 2, 16)
+
+
+def test_cached_greedy_is_the_whole_sequence_forwards_own(monkeypatch):
+    """greedy with the config proposes tokens by cached steps and keeps the logits of one whole-sequence forward: the
+    same tokens and logits as a whole-sequence forward per token. A proposal that forward would not choose (planted:
+    every other token wrong) is caught, and the tokens from there come from whole-sequence forwards."""
+    import models.lm
+    config = preset("tiny")
+    model = build_model(config, "lm", seed=3)
+    prompt = torch.arange(5, 28)[None] % config.vocab_size
+    want, want_logits = greedy(model, prompt, 10)
+    got, logits = greedy(model, prompt, 10, config)
+    assert torch.equal(got, want) and torch.allclose(logits, want_logits, atol=1e-5)
+    cached = models.lm._greedy_cached
+    monkeypatch.setattr(models.lm, "_greedy_cached",
+                        lambda *a: (lambda t: torch.where(torch.arange(t.shape[1]) % 2 == 1, (t + 1) % config.vocab_size, t))(cached(*a)))
+    got, logits = greedy(model, prompt, 10, config)
+    assert torch.equal(got, want) and torch.allclose(logits, want_logits, atol=1e-5)

@@ -41,7 +41,8 @@ def test_the_manifest_lists_the_ladder_and_every_graph_shares_one_weights_file(e
                     assert mask["shape"][-1] == w + (16 if step == "prefill" else 1)
     assert m["graphs"][-1]["file"] in {f"decode.{t}.onnx" for t in TARGETS}  # C keeps the single-window names
     weights = sum(p.numel() for p in art.model().parameters()) * 4
-    assert (art.folder / "weights.data").stat().st_size < 2 * weights  # once, not once per graph (40 graphs)
+    # once (the ort target's packed q/k/v once more, each tensor at a page), not once per graph (40 graphs)
+    assert (art.folder / "weights.data").stat().st_size < 3 * weights
     assert all(m["sequence_parity"]["targets"][t]["windows"] == list(LADDER) for t in TARGETS)
 
 

@@ -1,0 +1,64 @@
+"""Eager PyTorch's outputs that an export's checks hold its graphs to, computed while the model is in memory and
+read back after it is gone.
+
+An export first makes every graph (trace, passes, save) and every reference output with the eager model loaded, then
+frees the model and checks the graphs in onnxruntime: the fp32 model (4 bytes a parameter) and onnxruntime's copy of
+the graphs' weights are never held at once. A window's step cases hold caches (a 0.6B model's are 470 MB a case at
+2048 rows), so they go to disk and are mapped back one (window, step) at a time.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from runtime.parity import SequenceReference, StepCase
+
+
+class EagerReferences:
+    def __init__(self, folder: Path):
+        """Spill files go to `folder` (inside the export's staging folder, so a killed export leaves nothing else
+        behind), removed by close()."""
+        self.folder = Path(folder)
+        self.folder.mkdir()
+        self._count: dict[tuple, int] = {}
+        self.sequences: dict[tuple, SequenceReference] = {}  # window ladder -> the sequence check planned over it
+        self.accuracy: list | None = None  # runtime/accuracy.references, for the quantized targets
+
+    def keep_prefix(self, caches: list[torch.Tensor]) -> None:
+        """The cache rows of the random prefix every case starts from (runtime/parity.prefix_caches), on disk."""
+        torch.save(caches, self.folder / "prefix.pt")
+
+    def prefix(self) -> list[torch.Tensor]:
+        """Those rows, mapped from disk: resident only while a window's cases are made (470 MB at 0.6B)."""
+        return torch.load(self.folder / "prefix.pt", mmap=True)
+
+    def add_case(self, window: int, step: str, case: StepCase) -> None:
+        """One case at a time, on disk as soon as it is made: a 0.6B model's at 2048 rows is 0.5-1 GB."""
+        self._count[window, step] = self._count.get((window, step), 0) + 1
+        torch.save(case, self._path(window, step, self._count[window, step] - 1))
+
+    def cases(self, window: int, step: str) -> Iterator[StepCase]:
+        """The (window, step)'s cases, one at a time, their tensors mapped from disk (read as a check touches them)."""
+        for i in range(self._count.get((window, step), 0)):
+            yield torch.load(self._path(window, step, i), mmap=True, weights_only=False)
+
+    def _path(self, window: int, step: str, i: int) -> Path:
+        return self.folder / f"{step}.{window}.{i}.pt"
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def release_memory() -> None:
+    """Hand freed memory back to the system: glibc keeps a freed model's pages in its heap, where they still count as
+    the process's (a no-op where there is no malloc_trim)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,64 @@
+"""One mapping of an export's weights file for every onnxruntime session that reads it.
+
+onnxruntime loads a graph's external weights into each session's own memory: a ladder's driver opens a prefill and a
+decode session per window, so a 0.6B model (2.4 GB of fp32 weights) over four windows held eight copies. Sessions
+given a SharedWeights read the file through one read-only mapping instead (onnxruntime's shared initializers,
+SessionOptions.add_initializer), each tensor once, however many sessions hold it.
+
+The price is speed, and only where it does not count: onnxruntime then neither pre-packs a weight (a per-session copy
+in its GEMM layout, which a one-row decode MatMul runs about 5x faster from) nor folds constant expressions (the ort
+target's packed projections are Concats of the file's parts, run at every step instead). The export's checks run this
+way; the runtime's users keep the fast, per-session copies.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+
+class SharedWeights:
+    def __init__(self):
+        # (file, offset, dtype, shape) -> the tensor's OrtValue over the mapping; onnxruntime does not keep it alive
+        self._values: dict[tuple, ort.OrtValue] = {}
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def share(self, options: ort.SessionOptions, graph: str | Path) -> int:
+        """Give `options` every external initializer of the graph file as a shared one; returns how many."""
+        graph = Path(graph)
+        model = onnx.load(str(graph), load_external_data=False)
+        shared = 0
+        for tensor in model.graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            value = self._value(graph.parent, tensor)
+            if value is not None:
+                options.add_initializer(tensor.name, value)
+                shared += 1
+        # Each of these would give a session private copies: a pre-packed weight; a folded Concat of shared weights (the
+        # ort target's packed projections) or Transpose (a tied lm_head: unfolded, onnxruntime fuses it into its
+        # MatMul as transB); an arena keeping a step's largest intermediates after the step.
+        options.add_session_config_entry("session.disable_prepacking", "1")
+        options.add_session_config_entry("optimization.disable_specified_optimizers", "ConstantFolding")
+        options.enable_cpu_mem_arena = False
+        return shared
+
+    def _value(self, folder: Path, tensor: onnx.TensorProto) -> ort.OrtValue | None:
+        info = {e.key: e.value for e in tensor.external_data}
+        try:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+        except (KeyError, TypeError):  # a type numpy cannot hold (bfloat16, 4-bit): onnxruntime loads it itself
+            return None
+        if dtype.kind not in "fiub":
+            return None
+        path, offset, shape = (folder / info["location"]).resolve(), int(info.get("offset", 0)), tuple(tensor.dims)
+        key = (str(path), offset, dtype.str, shape)
+        if key not in self._values:
+            array = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape) if all(shape) else \
+                np.zeros(shape, dtype)
+            self._values[key] = ort.OrtValue.ortvalue_from_numpy(array)
+        return self._values[key]
