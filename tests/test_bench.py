@@ -169,7 +169,8 @@ def test_scale_rows_merge_and_a_failed_export_is_a_row(tmp_path, monkeypatch):
                           "preset, build_model; save_hf_folder(build_model(preset('tiny'), 'lm', 0), "
                           f"{str(folder)!r})"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    row = scale.export_run(folder, tmp_path / "tiny-fp32", ["--windows", "none"], timeout=600)
+    row = scale.export_run(folder, tmp_path / "tiny-fp32", ["--windows", "none", "--capacity", "64", "--chunk", "16"],
+                           timeout=600)
     assert row["exit"] == 0 and row["graphs"] == 8 and row["peak_rss_bytes"] > 100e6, row
     assert {"trace", "passes", "checks", "sequence parity"} <= set(row["stages_s"])
     bad = scale.export_run(folder, tmp_path / "bad", ["--windows", "7"], timeout=600)
