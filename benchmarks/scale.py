@@ -25,6 +25,7 @@ from runtime.cli import Parser, run
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1024 ** 3
+WORK = ROOT / "benchmarks" / ".work" / "scale"  # the shapes' folders and their exports
 _MM = preset("minimind")
 # transformers config fields of each shape (random weights): the minimind preset's, and the checkpoints people deploy
 SHAPES = {
@@ -43,10 +44,11 @@ STAGES = re.compile(r"^time: (\d+) s \((.*)\)$")
 
 
 def make_folder(name: str, folder: Path) -> int:
-    """The shape's random-weight folder (bf16, sharded above 2 GB, tied embeddings), written once; its parameter
-    count (tied weights once)."""
+    """The shape's random-weight folder (bf16, sharded above 2 GB, tied embeddings, a small trained tokenizer:
+    onnxruntime-genai's builder needs one), written once; its parameter count (tied weights once)."""
     import torch
     import transformers
+    from corpus.text import save_tokenizer
     shape = dict(SHAPES[name])
     if not (folder / "config.json").exists():
         config = transformers.AutoConfig.for_model(shape.pop("model_type"), tie_word_embeddings=True,
@@ -56,8 +58,11 @@ def make_folder(name: str, folder: Path) -> int:
         staging = folder.with_name(folder.name + ".staging")
         shutil.rmtree(staging, ignore_errors=True)
         model.save_pretrained(staging, max_shard_size="2GB")
+        save_tokenizer(staging, 512)
         staging.rename(folder)
         del model
+    elif not (folder / "tokenizer.json").exists():  # a folder made before the tokenizer was
+        save_tokenizer(folder, 512)
     return parameters(folder)
 
 
@@ -110,7 +115,7 @@ def markdown(doc: dict) -> str:
     for r in doc["results"]:
         fp32 = 4 * r["params"]
         head = f"| {r['model']} | {r['params'] / 1e6:.0f}M | {fp32 / GB:.2f} | {r['variant']} | {r['wall_s']:.0f} | " \
-               f"{r['peak_rss_bytes'] / GB:.2f} | {r['peak_rss_bytes'] / fp32:.1f}x | "
+               f"{r['peak_rss_bytes'] / GB:.2f} | {r['peak_rss_bytes'] / fp32:.2f}x | "
         if "error" in r:
             lines.append(head + f"failed: {r['error'][:160]} | | |")
             continue
@@ -156,7 +161,7 @@ def main(argv=None) -> int:
     p = Parser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=SHAPES, help="shapes to export [all]")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="exports per shape [all]")
-    p.add_argument("--work", default=str(ROOT / "benchmarks" / ".work" / "scale"),
+    p.add_argument("--work", default=str(WORK),
                    help="where the folders and exports go [benchmarks/.work/scale]")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "scale"), help="result folder [benchmarks/scale]")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one export may run [3600]")

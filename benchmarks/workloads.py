@@ -5,7 +5,9 @@ decode@P one token at P. The whole model's (`lm/`) are what a user of generation
 lm/prefill@N is the time to first token for an N-token prompt (fed in chunks), lm/decode@P
 the time per token with P tokens in the cache. A trained model's (`smollm2/`: models.fetch's
 SmolLM2-135M-Instruct, its dims from its folder) are the same whole-model workloads on real weights,
-beside onnxruntime-genai and llama.cpp built from the same folder.
+beside onnxruntime-genai and llama.cpp built from the same folder. A deployed checkpoint's shape (`qwen3-0.6b/`:
+benchmarks.scale's random-weight folder) runs them at a size people deploy, our ort graphs beside
+onnxruntime-genai's builds of the same folder.
 """
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ from dataclasses import dataclass
 from models import AttentionConfig
 
 TRAINED = ("smollm2",)  # trained models, by their models.fetch name: whole-model workloads on real weights
-KINDS = ("attention", "block", "lm", *TRAINED)
+# random weights in a deployed checkpoint's shape, by benchmarks.scale's name: whole-model speed at that size
+SCALED = ("qwen3-0.6b",)
+FOLDER_MODELS = TRAINED + SCALED  # whole models read from a Hugging Face folder, their dims the folder's
+KINDS = ("attention", "block", "lm", *FOLDER_MODELS)
 TORCH = ("torch-eager", "torch-sdpa", "torch-compile")
 ORT = ("ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort", "ort-npu")  # the ort engines run the window ladder
 SINGLE = ("ort-onnx-single", "ort-npu-single")  # the same graphs over all C rows, as before the ladder
@@ -31,11 +36,12 @@ LLAMACPP = ("llamacpp-f32", "llamacpp-q4_0", "llamacpp-q4_1")
 WEIGHT_BITS = {"ort-ort-int4": 6, "genai-int4": 5, "ort-ort-int8": 9, "llamacpp-q4_0": 4.5, "llamacpp-q4_1": 5}
 QUICK_LM = ("torch-eager", "ort-ort", "ort-ort-int4", "genai-fp32", "genai-int4")
 TRAINED_ENGINES = ("torch-eager", "ort-onnx", "ort-ort", "ort-npu") + QUANT + GENAI + LLAMACPP
+SCALED_ENGINES = ("ort-ort", "ort-ort-int4") + GENAI  # our fp32 and int4 against genai's, the same folder
 
 
 @dataclass(frozen=True)
 class Workload:
-    kind: str      # attention | block | lm | a trained model (TRAINED)
+    kind: str      # attention | block | lm | a folder's model (FOLDER_MODELS)
     step: str      # prefill | decode
     p0: int        # the cache holds rows 0..p0-1 before the step; for lm/prefill, the prompt length
     quick: bool = False
@@ -47,12 +53,14 @@ class Workload:
     @property
     def lm(self) -> bool:
         """A whole model's workload (random or trained weights): token ids in, the last position's logits out."""
-        return self.kind == "lm" or self.kind in TRAINED
+        return self.kind == "lm" or self.kind in FOLDER_MODELS
 
     @property
     def engines(self) -> tuple[str, ...]:
         if self.kind in TRAINED:
             return TRAINED_ENGINES
+        if self.kind in SCALED:
+            return SCALED_ENGINES
         if self.kind != "lm":
             return TORCH + ORT + SINGLE
         return QUICK_LM if self.quick else TORCH + ORT + SINGLE + QUANT + HF + GENAI

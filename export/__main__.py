@@ -73,7 +73,8 @@ def _export(args) -> int:
     name = Path(args.weights).stem if args.kind == "lm" and args.weights else args.preset
     out = args.out or f"artifacts/{name}" + (f"-{args.kind}" if args.kind != "attention" else "")
     export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset,
-                 quant=parse_quant(args.quant), windows=parse_windows(args.windows, config), log=partial(print, flush=True))
+                 quant=parse_quant(args.quant), windows=parse_windows(args.windows, config), log=partial(print, flush=True),
+                 bar=sys.stderr.isatty())
     return 0
 
 

@@ -69,12 +69,12 @@ def parity_cases(config: AttentionConfig, step: str) -> list[int]:
 def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "attention", seed: int = 0,
                  weights: str | None = None, layer: int | None = None, opset: int = DEFAULT_OPSET,
                  name: str | None = None, targets: tuple[str, ...] = TARGETS, quant: tuple[str, ...] = (),
-                 windows: tuple[int, ...] = (), log=print) -> dict:
+                 windows: tuple[int, ...] = (), log=print, bar: bool = False) -> dict:
     """Export, check and write the model's graphs. The whole model (`lm`) keeps its weights once, in one
     external-data file every graph points into; a Hugging Face folder as `weights` gives it its dims.
     `quant` adds a quantized target per scheme (export/quantize.py) beside the target it quantizes; `windows`
     (export/windows.py; default: the capacity alone) exports every step over each window of a ladder, all graphs
-    then sharing the one weights file."""
+    then sharing the one weights file. `bar`: a progress bar on stderr (a terminal's), the lines of `log` above it."""
     out_dir = Path(out_dir)
     missing = [q for q in quant if quantize.SCHEMES[q].base not in targets]
     if missing:
@@ -87,7 +87,8 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
     attention = attention_layers(model.attention_windows()) if kind == "lm" else None
     ort_targets = targets + tuple(quantize.target(q) for q in quant if quantize.SCHEMES[q].base == "ort")
     qdq = [q for q in quant if quantize.SCHEMES[q].base == "npu"]
-    progress = Progress(len(ladder) * len(STEPS) * len(ort_targets) + len(qdq) * len(STEPS), log)
+    progress = Progress(len(ladder) * len(STEPS) * len(ort_targets) + len(qdq) * len(STEPS), log, bar)
+    log = progress.log
     with staged_dir(out_dir) as tmp:
         eager = EagerReferences(tmp / ".eager")
         try:
@@ -179,13 +180,13 @@ def _make_graphs(model, config: AttentionConfig, kind: str, seed: int, opset: in
                 saved += [_save(*done[pipeline[t]], cw, kind, step, t, tmp, store, ladders.suffix(window, config))
                           for t in targets]
             del exported, done
+            release_memory()  # the passes' garbage (glibc keeps it in the heap), before the cases' caches join it
             with progress.stage("eager references"):
-                prefix = eager.prefix()
                 for p0 in parity_cases(cw, step):
-                    eager.add_case(window, step, step_case(reference, cw, step_len(cw, step), p0, seed, kind, prefix))
-                del prefix
-            release_memory()  # the passes' garbage: glibc would keep it in the process's heap
-            log(f"{step} over {window} rows: {len(targets)} graph(s) saved ({progress.elapsed():.0f} s)")
+                    eager.add_case(window, step, step_case(reference, cw, step_len(cw, step), p0, seed, kind,
+                                                           eager.prefix))
+            release_memory()  # the cases' inputs and outputs, spilled to disk
+            progress.made(len(targets), f"{step} over {window} rows: {len(targets)} graph(s) saved")
         del traced  # before the next step's trace: two traced graphs and a trace's garbage were 1 GB at 0.6B
         release_memory()
     return saved
@@ -240,6 +241,7 @@ def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: 
         report = {"passes": floats[step]["passes"] + [entry]}
         target = quantize.target(scheme)
         saved = _save(qdq, report, config, kind, step, target, tmp, store)
+        progress.made(1, f"{saved['file']}: calibrated on {feeds} feeds, saved")
         out.append(_check_graph(saved, eager.cases(config.capacity, step), config, kind, tmp, shared))
         progress.graph(_graph_line(out[-1]))
         out[-1]["calibration"] = {"method": "MinMax", "feeds": feeds,

@@ -22,7 +22,7 @@ def to_onnx(model: torch.nn.Module, config: AttentionConfig, seq_len: int, opset
     """The step of the contract at a fixed T, over config.capacity cache rows; with `any_window`, over a symbolic
     number of rows (cache_rows() names it), pinned per window by the passes' fix_dims: one trace serves a whole
     window ladder (a 30-layer model's trace is half a minute)."""
-    args = example_inputs(config, seq_len, kind=kind)
+    args = example_inputs(config, seq_len, kind=kind, written=False)
     dynamic = _cache_rows(model, len(args)) if any_window else None
     return export_module(model, args, input_names(config, kind), output_names(config, kind), opset, dynamic)
 

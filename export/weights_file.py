@@ -49,7 +49,7 @@ class WeightsFile:
     def _place(self, tensor) -> tuple[int, int]:
         """Where the tensor's bytes are in the file, written there on first sight of those bytes."""
         if tensor not in self._seen:  # held weakly: a graph's own tensors (quantized weights) go with the graph
-            data = tensor.tobytes()
+            data = _buffer(tensor)
             key = hashlib.sha256(data).digest()
             if key not in self._stored:
                 offset = -self._file.tell() % ALIGN + self._file.tell()
@@ -63,6 +63,14 @@ class WeightsFile:
         """Flush the file; returns its size in bytes."""
         self._file.close()
         return (self.folder / NAME).stat().st_size
+
+
+def _buffer(tensor) -> memoryview | bytes:
+    """The tensor's bytes as the file stores them: its own buffer where it has one. tobytes() copied it, and the first
+    graph's copy of a tied embedding was a 1.2 GB spike at 1.7B; 4-bit types are packed two to a byte by tobytes()."""
+    if tensor.dtype == ir.DataType.STRING or tensor.dtype.bitwidth % 8:
+        return tensor.tobytes()
+    return memoryview(np.ascontiguousarray(tensor.numpy()).reshape(-1).view(np.uint8))
 
 
 def _share_transposes(model: ir.Model) -> None:

@@ -29,12 +29,12 @@ def build_model(config: AttentionConfig, kind: str = "attention", seed: int = 0,
             raise WeightsError(f"--layer {layer} picks one block of a checkpoint; the lm takes every layer")
         from .hf_step import load_hf_step
         return load_hf_step(config, weights)
-    model = init_random_(KINDS[kind](config), seed)
     if weights is not None and kind == "lm":
         if layer is not None:
             raise WeightsError(f"--layer {layer} picks one block of a checkpoint; the lm takes every layer")
-        load_lm_(model, weights)
-    elif weights is not None:
+        return load_lm_(KINDS[kind](config), weights).to(config.torch_dtype).eval()  # every weight: none left random
+    model = init_random_(KINDS[kind](config), seed)
+    if weights is not None:
         load_weights_(model, weights, layer)
     return model.to(config.torch_dtype).eval()
 

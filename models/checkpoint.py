@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import torch
@@ -138,11 +139,10 @@ def _transformers_config(path: Path, cfg: dict, base: AttentionConfig) -> Attent
         source="transformers")
 
 
-def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor] | SafetensorsFolder:
     path = Path(path)
     if not path.is_dir():
         return _read(path)
-    from safetensors.torch import load_file
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -154,13 +154,46 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     else:
         raise WeightsError(f"{path}: no model.safetensors or model.safetensors.index.json; expected a Hugging Face "
                            "model folder")
-    state = {}
-    for name in files:
-        try:
-            state |= load_file(str(path / name))
-        except Exception as e:
-            raise WeightsError(f"{path / name}: cannot be read as safetensors ({str(e).strip()[:160]})") from None
-    return state
+    return SafetensorsFolder([path / name for name in files])
+
+
+class SafetensorsFolder(MutableMapping):
+    """A folder's tensors by name, each read from its file when asked for, its shape from the file's header. Read whole,
+    a 0.6B bf16 checkpoint was 1.2 GB beside the 2.4 GB fp32 model it fills; read a tensor at a time, one tensor is.
+    A name set here (a tied lm_head) holds its tensor."""
+
+    def __init__(self, files: list[Path]):
+        from safetensors import safe_open
+        self._file, self._shape, self._set = {}, {}, {}
+        for file in files:
+            try:
+                with safe_open(str(file), "pt") as f:
+                    for name in f.keys():
+                        self._file[name], self._shape[name] = file, tuple(f.get_slice(name).get_shape())
+            except Exception as e:
+                raise WeightsError(f"{file}: cannot be read as safetensors ({str(e).strip()[:160]})") from None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._set:
+            return self._set[name]
+        from safetensors import safe_open
+        with safe_open(str(self._file[name]), "pt") as f:  # opened per tensor: an open file keeps its pages mapped
+            return f.get_tensor(name)
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self._set[name], self._shape[name] = tensor, tuple(tensor.shape)
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("a checkpoint's tensors are read, not deleted")
+
+    def __iter__(self):
+        return iter(self._shape)
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
 
 
 def load_lm_(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:

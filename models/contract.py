@@ -75,12 +75,16 @@ def npu_io_specs(config: AttentionConfig, seq_len: int, kind: str = "attention",
     return spec
 
 
-def example_inputs(config: AttentionConfig, seq_len: int, p0: int = 0, seed: int = 0, kind: str = "attention") -> tuple:
-    """Contract inputs in argument order: random hidden states (or token ids) and caches, positions p0..p0+T-1."""
+def example_inputs(config: AttentionConfig, seq_len: int, p0: int = 0, seed: int = 0, kind: str = "attention",
+                   written: bool = True) -> tuple:
+    """Contract inputs in argument order: random hidden states (or token ids) and caches, positions p0..p0+T-1.
+    `written=False`: the caches allocated but not written, for a trace, which reads their shapes alone (random rows
+    were 470 MB resident through a 0.6B model's trace over 2048 rows)."""
     gen = torch.Generator().manual_seed(seed)
     b, dt = config.batch, config.torch_dtype
     cache = (b, config.num_kv_heads, config.capacity, config.head_dim)
     first = torch.randint(0, config.vocab_size, (b, seq_len), generator=gen) if kind == "lm" else \
         torch.randn(b, seq_len, config.hidden_size, generator=gen).to(dt)
-    caches = [torch.randn(cache, generator=gen).to(dt) for _ in cache_names(config, kind, "past_")]
+    caches = [torch.randn(cache, generator=gen).to(dt) if written else torch.empty(cache, dtype=dt)
+              for _ in cache_names(config, kind, "past_")]
     return (first, (p0 + torch.arange(seq_len)).expand(b, seq_len).contiguous(), *caches)

@@ -38,7 +38,9 @@ class MiniMindForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = MiniMindModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # tied: no [V, E] matrix of its own, not even for a moment (600 MB at a 150k vocabulary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                 device="meta" if config.tie_embeddings else None)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -28,11 +28,8 @@ def init_random_(model: nn.Module, seed: int) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)  # scaled in place: one temporary
+            p.copy_(noise.mul_(0.1).add_(1.0) if p.dim() == 1 else noise.div_(math.sqrt(p.shape[1])))
     return model
 
 
@@ -91,13 +88,14 @@ def fit_(model: nn.Module, state: dict, source: str) -> nn.Module:
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
-    shapes = sorted(f"{k} {tuple(state[k].shape)} (expected {tuple(expected[k].shape)})"
-                    for k in set(expected) & set(state) if state[k].shape != expected[k].shape)
+    shape = state.shape if hasattr(state, "shape") else lambda k: tuple(state[k].shape)  # a folder's: from its header
+    shapes = sorted(f"{k} {shape(k)} (expected {tuple(expected[k].shape)})"
+                    for k in set(expected) & set(state) if shape(k) != tuple(expected[k].shape))
     problems = [f"missing keys {missing}"] * bool(missing) + [f"unexpected keys {extra}"] * bool(extra) \
         + [f"mis-shaped {shapes}"] * bool(shapes)
     if problems:
         raise WeightsError(f"{source}: does not fit the model: {'; '.join(problems)}")
     with torch.no_grad():
         for k, t in expected.items():
-            t.copy_(state[k].to(t.dtype))
+            t.copy_(state[k])  # converting as it copies: no converted copy of a 600 MB embedding beside it
     return model

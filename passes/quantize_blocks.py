@@ -33,6 +33,7 @@ from .build import Builder, replace_value
 from .quantize_weights import constant_weights
 
 BLOCK = 32
+COLUMN_ELEMENTS = 1 << 23  # weights quantized at once: 64 MB of float64 per temporary
 HEAD_BITS = 8
 MSFT = "com.microsoft"
 
@@ -40,21 +41,42 @@ MSFT = "com.microsoft"
 def q4_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """W [K, N] (K a multiple of BLOCK) -> (codes [N, K/32, 16] uint8, two per byte, the even element in the low nibble;
     scales d [N, K/32]; per-block rest c [K/32, N]) with W = d * (q - 8) + c, per block exactly m + d * q."""
-    k, n = w.shape
-    blocks = w.T.reshape(n, k // BLOCK, BLOCK).astype(np.float64)
-    low, high = blocks.min(-1), blocks.max(-1)
-    d = (high - low) / 15
-    q = np.clip(np.round((blocks - low[..., None]) / np.where(d == 0, 1, d)[..., None]), 0, 15).astype(np.uint8)
-    return _pack4(q), d.astype(w.dtype), (low + 8 * d).T.astype(w.dtype)
+    codes, d, rest = _by_columns(w, _q4_columns, 3)
+    return codes, d, rest.T
 
 
 def q8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """W [K, N] -> (codes [N, K/32, 32] uint8, q + 128; scales [N, K/32]) with W = scale * (code - 128), |q| <= 127."""
+    return _by_columns(w, _q8_columns, 2)
+
+
+def _by_columns(w: np.ndarray, quantize, parts: int) -> tuple:
+    """`quantize` over W's columns a slice at a time, its parts concatenated along N. A block never spans two columns,
+    so this is exact; it bounds the float64 temporaries (an lm_head of 151936 x 1024 was 1.2 GB each, five at once)."""
     k, n = w.shape
-    blocks = w.T.reshape(n, k // BLOCK, BLOCK).astype(np.float64)
+    step = max(1, COLUMN_ELEMENTS // k)
+    pieces = [quantize(w[:, j:j + step]) for j in range(0, n, step)]
+    return tuple(np.concatenate([p[i] for p in pieces]) for i in range(parts))
+
+
+def _q4_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    blocks = _blocks(w)
+    low, high = blocks.min(-1), blocks.max(-1)
+    d = (high - low) / 15
+    q = np.clip(np.round((blocks - low[..., None]) / np.where(d == 0, 1, d)[..., None]), 0, 15).astype(np.uint8)
+    return _pack4(q), d.astype(w.dtype), (low + 8 * d).astype(w.dtype)
+
+
+def _q8_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    blocks = _blocks(w)
     scale = np.abs(blocks).max(-1) / 127
     q = np.clip(np.round(blocks / np.where(scale == 0, 1, scale)[..., None]), -127, 127)
     return (q + 128).astype(np.uint8), scale.astype(w.dtype)
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    k, n = w.shape
+    return w.T.reshape(n, k // BLOCK, BLOCK).astype(np.float64)
 
 
 def _pack4(q: np.ndarray) -> np.ndarray:

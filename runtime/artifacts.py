@@ -6,6 +6,14 @@ from pathlib import Path
 
 from .drivers import Driver, Generator, HostCacheGenerator
 from .session import StepSession
+from .shared_weights import SharedWeights
+
+# Above this many bytes in the weights file, a ladder's sessions read one mapping of it (runtime/shared_weights.py)
+# rather than a pre-packed copy each: a 0.6B model's four windows would hold eight copies, 19 GB. Decode, which reads
+# every weight once a token, runs at the same speed either way once the weights are far past the caches (24 products of
+# 2048 x 2048 from one mapping: 32.4 ms a row, 31.9 ms pre-packed); a 128-row chunk ran 5% slower. Below it (SmolLM2-135M's
+# file is about 1 GB with every target) the copies fit, and the runtime keeps them.
+SHARE_ABOVE = 2 << 30
 
 
 class ArtifactError(ValueError):
@@ -53,9 +61,12 @@ def open_generator(folder: str | Path, target: str = "raw", ladder: bool = True,
                    **session_options) -> Driver:
     """A generation driver (host-cache for `npu`) over one target's prefill and decode graphs: over the export's
     window ladder (each larger window opened when a step first needs it), or with `ladder=False` over the
-    capacity's graphs alone. `manifest`: the folder's, unless given (an export checking what it just wrote)."""
+    capacity's graphs alone. `manifest`: the folder's, unless given (an export checking what it just wrote). A ladder
+    over more than SHARE_ABOVE bytes of weights reads them through one mapping, unless `weights` says otherwise."""
     manifest = manifest or load_manifest(folder)
     sizes = windows(manifest, target) if ladder else windows(manifest, target)[-1:]
+    if len(sizes) > 1 and manifest.get("weights", {}).get("bytes", 0) > SHARE_ABOVE:
+        session_options.setdefault("weights", SharedWeights())
     opener = lambda w: lambda: tuple(open_step(folder, step, target, w, manifest, **session_options)  # noqa: E731
                                      for step in ("prefill", "decode"))
     larger = {w: opener(w) for w in sizes[1:]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -52,13 +53,14 @@ class StepCase:
 
 
 def step_case(reference: torch.nn.Module, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
-              kind: str = "attention", prefix: list[torch.Tensor] | None = None) -> StepCase:
+              kind: str = "attention", prefix: list[torch.Tensor] | Callable | None = None) -> StepCase:
     """The case at p0 for `reference` (an fp32 eager model: reference_model). The cache rows before p0 hold what eager
     writes reading a random prefix (prefilled_inputs), as a cache only ever holds rows the model wrote: a trained
     model amplifies random rows far outside its range (SmolLM2-135M's deep layers: value rows off by 1e-4 between
     onnxruntime and torch on random rows, 2e-6 on real ones). `prefix`: prefix_caches() of at least p0 rows, shared
-    by every case instead of a prefix forward each."""
-    args = prefilled_inputs(reference, config, seq_len, p0, seed, kind, prefix)
+    by every case instead of a prefix forward each, or a function returning them (a mapping from disk: then it is
+    dropped before the step runs, not resident beside its inputs and outputs)."""
+    args = prefilled_inputs(reference, config, seq_len, p0, seed, kind, prefix() if callable(prefix) else prefix)
     with torch.no_grad():
         out, *presents = reference(*[a.float() if a.is_floating_point() else a for a in args])
     # Only the rows up to the last written one are compared (step_parity): the rest of each cache is not kept, nor the
@@ -97,8 +99,9 @@ def prefilled_inputs(reference: torch.nn.Module, config: AttentionConfig, seq_le
     if p0 == 0:
         return args
     written = prefix or prefix_caches(reference, config, p0, seed, kind)
-    caches = [torch.cat([w[:, :, :p0].to(c.dtype), c[:, :, p0:]], dim=2) for w, c in zip(written, args[2:])]
-    return (*args[:2], *caches)
+    for w, c in zip(written, args[2:]):  # in place: a copy of every cache is 470 MB at 0.6B over 2048 rows
+        c[:, :, :p0] = w[:, :, :p0]
+    return args
 
 
 def prefix_caches(reference: torch.nn.Module, config: AttentionConfig, rows: int, seed: int = 0,

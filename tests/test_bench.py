@@ -84,6 +84,18 @@ def test_a_trained_model_run_alone_reports_its_targets_only():
     assert not any("torch-sdpa" in line or "lm/" in line for line in lines)  # the preset's workloads did not run
 
 
+def test_a_scaled_shape_reports_the_targets_of_the_peers_it_runs_alone():
+    """qwen3-0.6b runs genai, not llama.cpp: its llama.cpp targets are not its own, not 'not measured'."""
+    from benchmarks.report import targets
+    doc = _doc(("ort-ort", "qwen3-0.6b/decode@128", 300.0, {"floor_ms": 200.0}),
+               ("genai-fp32", "qwen3-0.6b/decode@128", 360.0, {}))
+    doc["models"] = {"qwen3-0.6b": {}}
+    lines = targets(doc)
+    assert "- ort-ort qwen3-0.6b/decode@128 vs genai-fp32 (want >= 1.1x faster): 1.20x (holds)" in lines
+    assert "- ort-ort-int4 qwen3-0.6b/decode@128 vs genai-int4 (want >= 1.0x faster): not measured" in lines
+    assert not any("llamacpp" in line for line in lines), lines
+
+
 def test_the_report_names_an_engine_that_ran_another_window():
     from benchmarks.report import window_differences
     doc = _doc(("ort-raw", "decode@128", 1.0, {"window": 256}), ("ort-onnxscript", "decode@128", 3.0, {"window": 2048}),

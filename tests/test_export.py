@@ -151,3 +151,28 @@ def test_shared_weights_are_read_through_one_mapping(tmp_path):
     with open(data, "r+b") as f:
         f.write(b"\0" * data.stat().st_size)
     assert not np.allclose(opened["decode"].run(feeds)["logits"], before, atol=1e-3)
+
+
+def test_shared_weights_keep_packing_only_for_block_quantized_products(tmp_path):
+    """A float graph's sessions read the mapping unpacked (a pre-packed weight is a private copy); one with MatMulNBits
+    keeps pre-packing, without which onnxruntime dequantizes every block at every step (150x slower a product)."""
+    import onnxruntime as ort
+    from passes.quantize_blocks import QuantizeBlocks
+    import onnx_ir as ir
+    from passes.model_io import load
+    from runtime.shared_weights import SharedWeights
+    m = export_model(preset("tiny"), tmp_path / "f", kind="lm", targets=("onnx",), log=lambda *_: None)
+    graph = tmp_path / "f" / next(g["file"] for g in m["graphs"] if g["step"] == "decode")
+    model = load(graph)
+    assert QuantizeBlocks(4, 4)(model) and any(n.op_type == "MatMulNBits" for n in model.graph)
+    (tmp_path / "q").mkdir()
+    ir.save(model, tmp_path / "q" / "decode.onnx", external_data="decode.onnx.data")
+
+    def packing(path) -> bool:
+        options = ort.SessionOptions()
+        assert SharedWeights().share(options, path) > 0
+        try:
+            return options.get_session_config_entry("session.disable_prepacking") != "1"
+        except Exception:  # not set: onnxruntime's default, packing on
+            return True
+    assert not packing(graph) and packing(tmp_path / "q" / "decode.onnx")

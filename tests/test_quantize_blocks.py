@@ -33,6 +33,20 @@ def test_q4_blocks_hold_a_q41_grid_exactly():
     assert np.abs(back - w).max() <= 1e-7 * np.abs(w).max()
 
 
+@pytest.mark.parametrize("quantize", [q4_blocks, q8_blocks])
+def test_blocks_quantized_a_slice_of_columns_at_a_time_are_the_whole_matrixs(monkeypatch, quantize):
+    """The lm_head is quantized in slices of columns to bound memory: 7 columns a slice (80 = 11 x 7 + 3) must give
+    every code and scale the whole matrix at once gives."""
+    w = np.random.default_rng(3).standard_normal((K, N)).astype(np.float32)
+    monkeypatch.setattr("passes.quantize_blocks.COLUMN_ELEMENTS", K * N)
+    whole = quantize(w)
+    monkeypatch.setattr("passes.quantize_blocks.COLUMN_ELEMENTS", K * 7)
+    sliced = quantize(w)
+    assert [a.shape for a in sliced] == [a.shape for a in whole]
+    for a, b in zip(sliced, whole):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_q8_blocks_hold_a_q80_grid_exactly():
     rng = np.random.default_rng(1)
     d = rng.uniform(1e-3, 1e-2, (N, K // BLOCK, 1)).astype(np.float16).astype(np.float32)

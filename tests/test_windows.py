@@ -186,3 +186,18 @@ def test_a_driver_let_go_is_freed_at_once(exported, target):
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.parametrize("threshold, shared", [(0, True), (1 << 40, False)])
+def test_a_ladder_over_a_large_weights_file_reads_one_mapping(exported, monkeypatch, threshold, shared):
+    """Above SHARE_ABOVE bytes of weights every window's sessions read one SharedWeights (a copy each would be eight
+    copies of a 0.6B model), and the tokens are the same; below it each session keeps its own copy."""
+    import runtime.artifacts
+    art = exported("lm", windows=LADDER)
+    monkeypatch.setattr(runtime.artifacts, "SHARE_ABOVE", threshold)
+    gen = art.generator("ort")
+    res = token_parity(art.model(), gen, art.config, prompt_len=12, decode_steps=30, seed=7)
+    assert within(res, "fp32"), res
+    sessions = [s for w in LADDER for s in gen._sessions(w)]
+    weights = {id(s.weights) for s in sessions}
+    assert weights == ({id(sessions[0].weights)} if shared else {id(None)}) and (sessions[0].weights is not None) == shared
