@@ -30,12 +30,17 @@ class EagerReferences:
         self.accuracy: list | None = None  # runtime/accuracy.references, for the quantized targets
 
     def keep_prefix(self, caches: list[torch.Tensor]) -> None:
-        """The cache rows of the random prefix every case starts from (runtime/parity.prefix_caches), on disk."""
-        torch.save(caches, self.folder / "prefix.pt")
+        """The cache rows of the random prefix every case starts from (runtime/parity.prefix_caches), on disk, a file
+        per cache."""
+        self._prefix_count = len(caches)
+        for i, c in enumerate(caches):
+            torch.save(c.clone(), self.folder / f"prefix.{i}.pt")  # clone: a view would save its whole storage
 
-    def prefix(self) -> list[torch.Tensor]:
-        """Those rows, mapped from disk: resident only while a window's cases are made (470 MB at 0.6B)."""
-        return torch.load(self.folder / "prefix.pt", mmap=True)
+    def prefix(self) -> Iterator[torch.Tensor]:
+        """Those rows, each cache mapped from disk in turn: a case copies one and drops it before the next is read, so
+        at most one cache's rows (16 MB at 0.6B over 2048 rows) are resident, not all of them (440 MB)."""
+        for i in range(self._prefix_count):
+            yield torch.load(self.folder / f"prefix.{i}.pt", mmap=True)
 
     def add_case(self, window: int, step: str, case: StepCase) -> None:
         """One case at a time, on disk as soon as it is made: a 0.6B model's at 2048 rows is 0.5-1 GB."""

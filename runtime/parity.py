@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -53,13 +53,13 @@ class StepCase:
 
 
 def step_case(reference: torch.nn.Module, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
-              kind: str = "attention", prefix: list[torch.Tensor] | Callable | None = None) -> StepCase:
+              kind: str = "attention", prefix: Iterable[torch.Tensor] | Callable | None = None) -> StepCase:
     """The case at p0 for `reference` (an fp32 eager model: reference_model). The cache rows before p0 hold what eager
     writes reading a random prefix (prefilled_inputs), as a cache only ever holds rows the model wrote: a trained
     model amplifies random rows far outside its range (SmolLM2-135M's deep layers: value rows off by 1e-4 between
     onnxruntime and torch on random rows, 2e-6 on real ones). `prefix`: prefix_caches() of at least p0 rows, shared
-    by every case instead of a prefix forward each, or a function returning them (a mapping from disk: then it is
-    dropped before the step runs, not resident beside its inputs and outputs)."""
+    by every case instead of a prefix forward each, or a function returning them (mapped from disk, one cache at a
+    time: then they are dropped before the step runs, not resident beside its inputs and outputs)."""
     args = prefilled_inputs(reference, config, seq_len, p0, seed, kind, prefix() if callable(prefix) else prefix)
     with torch.no_grad():
         out, *presents = reference(*[a.float() if a.is_floating_point() else a for a in args])
@@ -91,15 +91,15 @@ def step_parity(case: StepCase, runner: StepSession | HostCacheGenerator, config
 
 
 def prefilled_inputs(reference: torch.nn.Module, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
-                     kind: str = "attention", prefix: list[torch.Tensor] | None = None) -> tuple:
+                     kind: str = "attention", prefix: Iterable[torch.Tensor] | None = None) -> tuple:
     """example_inputs, but the cache rows before p0 are what eager PyTorch writes reading a random prefix of p0
     positions (real K/V rows, in the ranges a real sequence gives); later rows stay random (the step may not read them).
-    The prefix's rows come from `prefix` (prefix_caches) where given."""
+    The prefix's rows come from `prefix` (prefix_caches, or an iterator over its caches) where given."""
     args = example_inputs(config, seq_len, p0, seed, kind)
     if p0 == 0:
         return args
-    written = prefix or prefix_caches(reference, config, p0, seed, kind)
-    for w, c in zip(written, args[2:]):  # in place: a copy of every cache is 470 MB at 0.6B over 2048 rows
+    written = prefix_caches(reference, config, p0, seed, kind) if prefix is None else prefix
+    for w, c in zip(written, args[2:], strict=True):  # in place: a copy of every cache is 470 MB at 0.6B over 2048 rows
         c[:, :, :p0] = w[:, :, :p0]
     return args
 
