@@ -30,6 +30,7 @@ from runtime.parity import (TOLERANCE, SequenceReference, StepCase, compare_sequ
                             sequence_reference, step_case, step_parity, worst)
 from runtime.session import StepSession
 from runtime.shared_weights import SharedWeights
+from runtime.text import has_tokenizer
 
 from .atomic import staged_dir, write_json
 from .eager import EagerReferences, release_memory
@@ -118,7 +119,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
             for q in qdq:  # over C rows only: calibration is slow
                 shared = SharedWeights()
                 with progress.stage("calibration"):
-                    graphs += _qdq_graphs(q, graphs, config, kind, tmp, store, eager, shared, progress)
+                    graphs += _qdq_graphs(q, graphs, config, kind, tmp, store, eager, shared, progress, weights)
                 target = quantize.target(q)
                 sequence[target] = _sequence_check(eager.sequences, config, graphs, target, tmp, shared, progress, log)
                 del shared
@@ -225,19 +226,27 @@ def _tracer(model, config: AttentionConfig, step: str, opset: int, kind: str, la
 
 
 def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: str, tmp: Path,
-                store: WeightsFile | None, eager: EagerReferences, shared: SharedWeights, progress: Progress) -> list[dict]:
+                store: WeightsFile | None, eager: EagerReferences, shared: SharedWeights, progress: Progress,
+                weights: str | None) -> list[dict]:
     """The npu graphs over C rows in QDQ form, their activation ranges recorded by running the float npu graphs just
-    written; each saved and checked as the others."""
+    written (and, for a whole model from a folder with a tokenizer, text through it); each saved and checked as the
+    others."""
     floats = {g["step"]: g for g in graphs if g["target"] == "npu" and g["window"] == config.capacity}
     sessions = [StepSession(tmp / floats[step]["file"], floats[step]["inputs"], floats[step]["outputs"],
                             provider="cpu", weights=shared) for step in STEPS]
-    driver, inputs = HostCacheGenerator(*sessions, quantize.QDQ_MASK_VALUE), quantize.calibration_inputs(config, kind)
+    text = Path(weights) if kind == "lm" and weights is not None and has_tokenizer(weights) else None
+    driver = HostCacheGenerator(*sessions, quantize.QDQ_MASK_VALUE)
+    inputs = quantize.calibration_inputs(config, kind, text=text)
     out = []
     for step in STEPS:
         float_graph = ir.external_data.load_to_model(ir.load(tmp / floats[step]["file"]))  # qdq() saves it elsewhere
-        qdq, feeds = quantize.qdq(float_graph, quantize.step_feeds(driver, inputs, kind, step))
-        entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {feeds} calibration feeds",
-                 "stats": {"quantize_linear": sum(n.op_type == "QuantizeLinear" for n in qdq.graph)}, "not_matched": []}
+        qdq, feeds, floats_kept = quantize.qdq(float_graph, quantize.step_feeds(driver, inputs, kind, step))
+        entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {feeds} calibration feeds, "
+                                                    f"{len(floats_kept)} activation(s) wider than "
+                                                    f"+-{quantize.WIDE_RANGE:g} kept float",
+                 "stats": {"quantize_linear": sum(n.op_type == "QuantizeLinear" for n in qdq.graph),
+                           "float_activations": len(floats_kept)},
+                 "not_matched": [], "float_activations": floats_kept}
         report = {"passes": floats[step]["passes"] + [entry]}
         target = quantize.target(scheme)
         saved = _save(qdq, report, config, kind, step, target, tmp, store)
@@ -245,7 +254,9 @@ def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: 
         out.append(_check_graph(saved, eager.cases(config.capacity, step), config, kind, tmp, shared))
         progress.graph(_graph_line(out[-1]))
         out[-1]["calibration"] = {"method": "MinMax", "feeds": feeds,
-                                  "inputs": f"{quantize.CALIBRATION_PROMPTS} seeded random prompts "
+                                  "inputs": (f"{len(inputs) - quantize.CALIBRATION_PROMPTS} prompts of text through "
+                                             f"the folder's tokenizer (export/quantize.py), then " if text else "")
+                                            + f"{quantize.CALIBRATION_PROMPTS} seeded random prompts "
                                             f"({'token ids' if kind == 'lm' else 'hidden states'}: "
                                             f"{quantize.FIRST_TOKEN_PROMPTS} of one token, the last filling the cache), "
                                             f"each read as a prompt "

@@ -117,8 +117,9 @@ def _held(t: torch.Tensor, dtype: str) -> torch.Tensor:
 
 
 def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str, suffix: str, seed: int,
-             tmp: Path) -> list[dict]:
-    """The bundle entries (and golden files) of one target's two step graphs over `config.capacity` rows."""
+             tmp: Path, exported: dict) -> list[dict]:
+    """The bundle entries (and golden files) of one target's two step graphs over `config.capacity` rows; `exported`:
+    the manifest they come from."""
     entries = []
     for step, steps in golden(model, config, target, kind, seed).items():
         name = f"{folder}/{step}.{target}{suffix}"
@@ -128,13 +129,20 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
                         # max_rel only: a golden's few logit rows are no statistic for KL or top-1 (near-ties flip
                         # top-1), so it is held as quantize holds a step; the export held those on its prompt set
                         "budget": {"max_rel": quantize.tolerance(target, TOLERANCE[config.dtype])}}
-                       | ({"quantized": quantize.describe(quantize.split(target)[1])}
+                       | ({"quantized": quantize.describe(quantize.split(target)[1])
+                                        | {"float_activations": _float_activations(exported, f"{step}.{target}{suffix}.onnx")}}
                           if quantize.split(target)[1] else {})
                        | ({"host_cache": {"inputs": cache_names(config, kind, "past_"),
                                           "shape": [config.batch, config.num_kv_heads, config.capacity, config.head_dim],
                                           "mask_value": quantize.mask_value(target)}}
                           if kind == "lm" else {}))
     return entries
+
+
+def _float_activations(exported: dict, file: str) -> list[str]:
+    """The activations the export's QDQ graph `file` keeps float (mixed precision, export/quantize.py)."""
+    return next((p.get("float_activations", []) for g in exported["graphs"] if g["file"] == file
+                 for p in g["passes"] if p["pass"] == "quantize_qdq"), [])
 
 
 def save_golden(path: Path, steps: list) -> None:
@@ -169,11 +177,12 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                 model = build_model(c, kind, seed, weights)
                 for target in targets:
                     for w in sorted({g["window"] for g in exported["graphs"] if g["target"] == target}):
-                        graphs += _goldens(model, c.replace(capacity=w), kind, target, folder, ladders.suffix(w, c), seed, tmp)
+                        graphs += _goldens(model, c.replace(capacity=w), kind, target, folder, ladders.suffix(w, c), seed, tmp,
+                                           exported)
                 log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors")
         for g in (g for g in graphs if g["target"].startswith("npu") and socs):
             compiled = {soc: g["file"].replace(".onnx", f".qnn{soc}.onnx") for soc in socs}
-            g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f, fp16="quantized" not in g)
+            g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f, fp16=qnn.fp16_precision(g))
                         for soc, f in compiled.items()}
             log(f"compiled {g['file']} for the QNN HTP of SoC {', '.join(map(str, socs))}")
         profile = lambda g: quantize.split(g["target"])[0]  # noqa: E731
@@ -192,7 +201,8 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                                                                                       for s in socs},
                             "emulated": "compiled and run in host emulation of the HTP, not on a phone",
                             "precision": "float graphs in fp16 (enable_htp_fp16_precision=1), judged at 1e-2; QDQ graphs "
-                                         "(npu-w8a16) as quantized, judged at their accuracy budget"}
+                                         "(npu-w8a16) as quantized, the activations they keep float (a trained "
+                                         "model's residual stream) in fp16, judged at their accuracy budget"}
                     if socs else {"socs": [], "note": "onnxruntime-qnn is not installed: nothing compiled for the HTP"}}
         (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -9,14 +9,15 @@ infinities. A quantized (QDQ) npu graph also keeps what QNN, OpenVINO and Vitis 
 QDQ models: 16-bit activations at opset 21 (where 16-bit QuantizeLinear is standard; 17
 otherwise), MatMul/Gemm/Conv weights int8 with zero point 0 and positive scales behind a
 DequantizeLinear (symmetric weights), every compute op between DequantizeLinear and
-QuantizeLinear (no float islands, which the HTP would run in fp16 or refuse). `onnx` and
+QuantizeLinear (no float islands, which the HTP would run in fp16 or refuse), but for the
+activations the graph declares float (mixed precision: metadata FLOAT_ACTIVATIONS, a note). `onnx` and
 `ort` check what their targets promise: static shapes and every
 attention fused, without a K/V repeat; `onnx` also standard domains only at opset 24.
 
 Notes are what a toolchain needs told rather than errors, printed without failing: on the
 npu profile, a float table gathered by integer positions (RoPE's cos/sin) compiles for
 QNN's HTP only with fp16 precision on (`enable_htp_fp16_precision=1`), so an fp32 graph runs
-there in fp16.
+there in fp16; so do a QDQ graph's declared float activations.
 """
 from __future__ import annotations
 
@@ -99,19 +100,29 @@ def qdq_weights(model, path):
     return found
 
 
+FLOAT_ACTIVATIONS = "quantization.float_activations"  # metadata: a JSON list of the activations a QDQ graph keeps float
+
+
+def float_activations(model) -> set[str]:
+    """The activations a QDQ graph declares float (mixed precision; export/quantize.py)."""
+    return set(json.loads(model.metadata_props.get(FLOAT_ACTIVATIONS, "[]")))
+
+
 def qdq_complete(model, path):
-    """In a QDQ graph, every compute op reads activations from DequantizeLinear and writes them through QuantizeLinear."""
+    """In a QDQ graph, every compute op reads activations from DequantizeLinear and writes them through QuantizeLinear,
+    but for the activations the graph declares float."""
     if not any(n.op_type in QDQ for n in _nodes(model)):
         return []
-    outputs = {id(v) for v in model.graph.outputs}
+    outputs, declared = {id(v) for v in model.graph.outputs}, float_activations(model)
     found = []
     for n in _nodes(model):
         if n.op_type in QDQ or n.op_type in MOVES:
             continue
-        floats = [v for v in n.inputs if v is not None and v.dtype == ir.DataType.FLOAT and const(v) is None]
+        floats = [v for v in n.inputs if v is not None and v.dtype == ir.DataType.FLOAT and const(v) is None
+                  and v.name not in declared]
         bad_in = [v.name for v in floats if v.producer() is None or v.producer().op_type != "DequantizeLinear"]
         bad_out = [v.name for v in n.outputs if v.dtype == ir.DataType.FLOAT and id(v) not in outputs
-                   and not any(u.op_type == "QuantizeLinear" for u, _ in v.uses())]
+                   and v.name not in declared and not any(u.op_type == "QuantizeLinear" for u, _ in v.uses())]
         if bad_in or bad_out:
             found.append(Violation("qdq-complete", n.name, n.op_type, f"float {'input' if bad_in else 'output'} "
                                    f"{(bad_in or bad_out)[0]} is not quantized; expected DequantizeLinear -> op -> "
@@ -190,6 +201,14 @@ def fp32_tables(model, path):
             and n.inputs[0].dtype == ir.DataType.FLOAT and id(n.inputs[1]) in inputs]
 
 
+def mixed_precision(model, path):
+    """A QDQ graph's declared float activations: fp16 on QNN's HTP."""
+    declared = float_activations(model)
+    return [Violation("qnn-fp16-precision", "", "", f"{len(declared)} activation(s) kept float (mixed precision, "
+                      f"e.g. {min(declared)}): QNN's HTP runs them only with enable_htp_fp16_precision=1 (fp16)")
+            ] if declared else []
+
+
 PROFILES = {
     "npu": [npu_opset, static_shapes, forbidden("control-flow", CONTROL_FLOW), forbidden("shape-op", SHAPE_OPS),
             forbidden("scatter", SCATTER_OPS), forbidden("repeat", REPEAT_OPS), computed_reshape, int32_inputs,
@@ -199,7 +218,7 @@ PROFILES = {
 }
 
 
-NOTES = {"npu": [fp32_tables], "onnx": [], "ort": []}
+NOTES = {"npu": [fp32_tables, mixed_precision], "onnx": [], "ort": []}
 
 
 def lint(path: str | Path, profile: str, notes: bool = False) -> list[Violation]:

@@ -8,8 +8,8 @@ The NPU step (what QNN, OpenVINO NPU and Vitis AI compile):
 - RotaryEmbedding becomes x*cos + rotate_half(x)*sin with cos/sin gathered by the int32
   positions from constant tables (the ones the graph's RotaryEmbedding held), rotate_half
   over halves or, for an interleaved one, over pairs;
-- RMSNormalization becomes x/m / sqrt(mean((x/m)^2) + eps/m^2), m = max|x| per row floored at sqrt(eps), in fp32
-  primitives when it stashed fp32: bounded intermediates for fp16 and 16-bit quantized graphs;
+- RMSNormalization becomes x/m / sqrt(mean((x/m)^2) + eps/m^2), m = max|x|/16 per row floored at sqrt(eps), in
+  fp32 primitives when it stashed fp32: bounded intermediates for fp16 and 16-bit quantized graphs;
 - Attention over a TensorScatter-written cache (checked causal by position, see
   causal.py) becomes attention over Concat(past, new): query heads are grouped as
   [B, Hkv, rep*T, D] against [B, Hkv, C+T, D], so K/V are never repeated, soft-capping
@@ -252,15 +252,19 @@ class LowerNPU(GraphPass):
         b = Builder(model, node, f"{self.name}/{node.name}")
         xs = b.op("Cast", [x], shape, stash, to=int(stash)) if stash != dtype else x
         reduced = shape[:-1] + [1]
-        # x / sqrt(mean(x^2) + eps) as y / sqrt(mean(y^2) + eps/m^2) with y = x/m, m = max|x| per row: trained models'
-        # residual rows reach |x| ~ 25000 (SmolLM2-135M), whose square overflows fp16 and spans 6e8 in a 16-bit
+        # x / sqrt(mean(x^2) + eps) as y / sqrt(mean(y^2) + eps/m^2) with y = x/m, m = max|x|/16 per row: trained
+        # models' residual rows reach |x| ~ 25000 (SmolLM2-135M), whose square overflows fp16 and spans 6e8 in a 16-bit
         # quantized tensor, where every other row's squares round to 0 (measured: w8a16 prefill max_rel 1.99). Every
-        # intermediate here is bounded: y in [-1, 1], mean(y^2) in [1/E, 1]. The identity holds for any m > 0: m is
-        # floored at sqrt(eps), so that a zero row (a padding token's embedding) adds at most 1 under the root, not
-        # eps/tiny^2, whose range would leave every other row's eps term and root at 0 in a quantized graph.
+        # intermediate here is bounded: y in [-16, 16], mean(y^2) in [256/E, 256], under the range a QDQ graph keeps
+        # 16-bit (export/quantize.py WIDE_RANGE). m is max|x|/16, not max|x|: QNN's HTP divides in fp16 by a
+        # reciprocal, and 1/25000 is subnormal there, flushed to 0 (measured: such rows' y all zero, layer 0's K/V off
+        # by 86%); 16/25000 is not. The identity holds for any m > 0: m is floored at sqrt(eps), so that a zero row (a
+        # padding token's embedding) adds at most 1 under the root, not eps/tiny^2, whose range would leave every other
+        # row's eps term and root at 0 in a quantized graph.
         epsilon = attr(node, "epsilon", 1e-5)
         floor = b.const(np.array(max(epsilon ** 0.5, np.finfo(stash.numpy()).tiny ** 0.25), stash.numpy()), "floor")
-        peak = b.op("Max", [b.op("ReduceMax", [b.op("Abs", [xs], shape, stash)], reduced, stash, axes=[-1], keepdims=1),
+        top = b.op("ReduceMax", [b.op("Abs", [xs], shape, stash)], reduced, stash, axes=[-1], keepdims=1)
+        peak = b.op("Max", [b.op("Mul", [top, b.const(np.array(1 / 16, stash.numpy()), "headroom")], reduced, stash),
                             floor], reduced, stash)
         ys = b.op("Div", [xs, peak], shape, stash)
         mean = b.op("ReduceMean", [b.op("Mul", [ys, ys], shape, stash)], reduced, stash, axes=[-1], keepdims=1)

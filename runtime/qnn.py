@@ -7,7 +7,8 @@ this machine (not on a phone). What the hand-off learned from it:
 - graphs compile with CPU fallback disabled, so a compiled graph runs every node on the HTP;
 - float graphs compile only with fp16 precision on (`enable_htp_fp16_precision=1`: the fp32
   RoPE tables gathered by int32 positions fail otherwise, `could not create op: q::Gather`), so
-  the HTP runs our fp32 graphs in fp16 and they are judged at the fp16 tolerance;
+  the HTP runs our fp32 graphs in fp16 and they are judged at the fp16 tolerance; so does a
+  QDQ graph's float activations (mixed precision: a trained model's residual stream);
 - `ep.context_enable` writes the compiled graph as an `EPContext` model, what an engineer deploys;
 - the op trace (`enable_framework_op_trace`) says which QNN op each node became, and which
   nodes it could not take: onnxruntime's error for a graph with such nodes names none of them,
@@ -53,6 +54,12 @@ def _devices():
         ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
         _registered.append(True)
     return [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
+
+
+def fp16_precision(graph: dict) -> bool:
+    """Whether a bundle graph (its manifest entry) needs the HTP's fp16 precision: a float graph does, and so does a QDQ
+    graph keeping activations float (mixed precision); a QDQ graph quantized throughout compiles without it."""
+    return "quantized" not in graph or bool(graph["quantized"].get("float_activations"))
 
 
 class Refused(RuntimeError):

@@ -108,7 +108,7 @@ def _runner(bundle: Path, graph: dict, runtime: str):
     if runtime.startswith(QNN):
         soc = runtime.removeprefix(QNN)
         compiled = graph.get("qnn", {}).get(soc)
-        return _qnn(bundle / (compiled["file"] if compiled else graph["file"]), int(soc), "quantized" not in graph)
+        return _qnn(bundle / (compiled["file"] if compiled else graph["file"]), int(soc), qnn.fp16_precision(graph))
     return RUNTIMES[runtime](bundle / graph["file"])
 
 
@@ -229,8 +229,9 @@ def _detail(r: dict, graph: dict, runtime: str, excused: list[str]) -> str:
         detail += f", top-1 {r['top1']:.0%}, KL {r['kl_mean']:.1e}"
     if runtime.startswith(QNN):
         soc = runtime.removeprefix(QNN)
-        detail += (f", compiled {graph['qnn'][soc]['file']}" if soc in graph.get("qnn", {}) else "") \
-            + (", quantized on the HTP" if "quantized" in graph else ", fp16 on the HTP")
+        kept = graph.get("quantized", {}).get("float_activations")
+        precision = "fp16" if "quantized" not in graph else "quantized" + (f" ({len(kept)} activations fp16)" if kept else "")
+        detail += (f", compiled {graph['qnn'][soc]['file']}" if soc in graph.get("qnn", {}) else "") + f", {precision} on the HTP"
     if "quantized" in graph:
         detail += f" (budget {', '.join(f'{k} {v:g}' for k, v in graph['budget'].items())})"
     return f"{r['why']}; {detail}" if r["why"] else detail
