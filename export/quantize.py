@@ -34,7 +34,7 @@ from runtime.drivers import HostCacheGenerator
 from runtime.metrics import Budget
 
 from passes.build import replace_value
-from passes.lint import FLOAT_ACTIVATIONS
+from passes.lint import FLOAT_ACTIVATIONS, WEIGHTED
 from passes.lower_npu import MASK_VALUE
 from passes.quantize_weights import constant_weights, ort_quantization, quiet
 
@@ -259,7 +259,7 @@ def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, list[str
                           extra_options={"QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}, "WeightSymmetric": True,
                                          "ActivationSymmetric": False})
         quantized = ir.serde.deserialize_model(onnx.load(dst))
-        kept = [name for name in wide if _keep_float(quantized, name)]
+        kept = _keep_float(quantized, wide)
         if kept:  # declared, so that lint tells them from a float island the quantizer left by mistake
             quantized.metadata_props[FLOAT_ACTIVATIONS] = json.dumps(kept)
         return quantized, read, kept
@@ -286,20 +286,22 @@ def _wide_constant_readers(model: ir.Model) -> list[str]:
         a = t.numpy()
         return a.size > 0 and max(float(a.max()), -float(a.min())) > WIDE_RANGE
     return [n.name for n in model.graph
-            if any(wide(v) for i, v in enumerate(n.inputs) if not (n.op_type in ("MatMul", "Gemm") and i == 1))]
+            if any(wide(v) for i, v in enumerate(n.inputs) if WEIGHTED.get(n.op_type) != i)]
 
 
-def _keep_float(model: ir.Model, name: str) -> bool:
-    """Remove the QuantizeLinear -> DequantizeLinear pair the quantizer put on activation `name`, so that its consumers
-    read it float; whether there was one."""
-    pairs = [(q, u.node) for q in model.graph if q.op_type == "QuantizeLinear" and q.inputs[0].name == name
-             for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"]
-    for q, dq in pairs:
-        replace_value(dq.outputs[0], q.inputs[0])
-        model.graph.remove(dq, safe=True)
+def _keep_float(model: ir.Model, names: list[str]) -> list[str]:
+    """Remove the QuantizeLinear -> DequantizeLinear pairs the quantizer put on the activations `names`, so that their
+    consumers read them float; those that had one, in the order of `names`."""
+    wanted, kept = set(names), set()
+    for q in [n for n in model.graph if n.op_type == "QuantizeLinear" and n.inputs[0].name in wanted]:
+        name = q.inputs[0].name  # before replace_value, which renames it where the pair ended at a graph output
+        for dq in [u.node for u in q.outputs[0].uses() if u.node.op_type == "DequantizeLinear"]:
+            replace_value(dq.outputs[0], q.inputs[0])
+            model.graph.remove(dq, safe=True)
+            kept.add(name)
         if not q.outputs[0].uses():
             model.graph.remove(q, safe=True)
-    return bool(pairs)
+    return [name for name in names if name in kept]
 
 
 def _ranges(q, src: str, ops: list[str], feeds: Iterable[dict], tmp: str):
