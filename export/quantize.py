@@ -79,8 +79,8 @@ SCHEMES = {
                    f"weights int8 symmetric in blocks of 32 (llama.cpp's Q8_0 grid; MatMulNBits, accuracy level 4); {_PREFILL}"),
     "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=0.012, top1=0.6),
                     "QDQ: weights int8 symmetric per output channel, activations uint16 asymmetric per tensor, "
-                    f"MinMax-calibrated; an activation whose range passes +-{WIDE_RANGE:g} stays float (mixed "
-                    "precision)"),
+                    f"MinMax-calibrated; an activation whose range passes +-{WIDE_RANGE:g} stays float, and so do "
+                    "attention probabilities (mixed precision)"),
 }
 QDQ_OPSET = 21
 QDQ_MASK_VALUE = -100.0
@@ -101,6 +101,11 @@ CALIBRATION_TEXT = ("The history of the printing press begins in the fifteenth c
 # range, by up to 24% of its width; max_rel 0.53). Softmax and Sigmoid outputs keep their range: it is exact.
 RANGE_MARGIN = 0.5
 BOUNDED_OPS = ("Softmax", "Sigmoid")
+# Attention probabilities stay float (fp16 on the HTP): QNN's HTP rounds a 16-bit Softmax's outputs down, and a long
+# row's many small probabilities lose their mass (measured on SoC 43: one sink and 2075 other scores, the others' mass
+# 0.072 comes out 0.053 at 16 bits, 0.07201 in fp16; SmolLM2-135M's w8a16 prefill over 1920 cache rows max_rel 0.59
+# on the HTP, 0.23 on the CPU, which rounds to nearest).
+FLOAT_OPS = ("Softmax",)
 
 
 class QuantError(ValueError):
@@ -238,7 +243,7 @@ def _runs(driver: HostCacheGenerator, inputs: list[np.ndarray], kind: str) -> It
 
 def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, list[str]]:
     """The float npu graph `model` in QDQ form (w8a16), activation ranges from `feeds` (widened); how many feeds it
-    read; and the activations it left float (WIDE_RANGE)."""
+    read; and the activations it left float (WIDE_RANGE, FLOAT_OPS)."""
     q = ort_quantization()
     constant_weights(model)  # so the tied lm_head is quantized as a weight (per channel), not as an activation
     readers = _wide_constant_readers(model)
@@ -249,13 +254,14 @@ def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, list[str
         ops = sorted({n.op_type for n in proto.graph.node})  # all of them: its default list leaves e.g. Sqrt in float
         ranges, read = _ranges(q, src, ops, feeds, tmp)
         bounded = {o for n in proto.graph.node if n.op_type in BOUNDED_OPS for o in n.output}
-        wide = _rescaled(model, {name for name, d in ranges.data.items() if np.abs(d.range_value).max() > WIDE_RANGE})
+        wide = _rescaled(model, {name for name, d in ranges.data.items() if np.abs(d.range_value).max() > WIDE_RANGE}
+                         | {o for n in proto.graph.node if n.op_type in FLOAT_OPS for o in n.output})
         q.calibrate.save_tensors_data(q.TensorsData(q.CalibrationMethod.MinMax, {
             name: d.range_value if name in bounded else _widened(*d.range_value) for name, d in ranges.data.items()}),
             cache)
         q.quantize_static(src, dst, None, quant_format=q.QuantFormat.QDQ, per_channel=True, op_types_to_quantize=ops,
                           activation_type=q.QuantType.QUInt16, weight_type=q.QuantType.QInt8,
-                          calibration_cache_path=cache, nodes_to_exclude=readers,
+                          calibration_cache_path=cache, nodes_to_exclude=readers + _float_weight_readers(model, wide),
                           extra_options={"QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}, "WeightSymmetric": True,
                                          "ActivationSymmetric": False})
         quantized = ir.serde.deserialize_model(onnx.load(dst))
@@ -266,9 +272,9 @@ def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, list[str
 
 
 def _rescaled(model: ir.Model, wide: set[str]) -> list[str]:
-    """`wide` and every activation an op makes from one of them and constants alone (Abs, ReduceMax, a Mul by 1/16):
-    such a tensor carries the wide one's spread between rows in a smaller range (an RMSNorm's per-row scale: ~1600 in
-    the massive rows, ~0.2 in the others), which one 16-bit grid resolves no better."""
+    """`wide` and every activation an op makes from one of them and constants alone (Abs, ReduceMax, a Mul by 1/16, a
+    Reshape): such a tensor carries the wide one's spread between rows in a smaller range (an RMSNorm's per-row scale:
+    ~1600 in the massive rows, ~0.2 in the others), which one 16-bit grid resolves no better."""
     for node in model.graph:
         dynamic = [v for v in node.inputs if v is not None and v.const_value is None]
         if len(dynamic) == 1 and dynamic[0].name in wide and node.op_type not in BOUNDED_OPS:
@@ -287,6 +293,17 @@ def _wide_constant_readers(model: ir.Model) -> list[str]:
         return a.size > 0 and max(float(a.max()), -float(a.min())) > WIDE_RANGE
     return [n.name for n in model.graph
             if any(wide(v) for i, v in enumerate(n.inputs) if WEIGHTED.get(n.op_type) != i)]
+
+
+def _float_weight_readers(model: ir.Model, wide: list[str]) -> list[str]:
+    """The matmuls that read or write an activation kept float: their weights stay float too (fp16 on the HTP). QNN's
+    HTP runs a per-channel weight's DequantizeLinear only inside its matmul's quantized group, which a float activation
+    breaks: "QNN EP does not support a standalone DQ op with per-channel quantization" (SmolLM2-135M: the MLP down
+    projections that write or read its massive activations, 5 of 210 matmuls)."""
+    wide = set(wide)
+    return [n.name for n in model.graph if n.op_type in WEIGHTED and len(n.inputs) > WEIGHTED[n.op_type]
+            and n.inputs[WEIGHTED[n.op_type]] is not None and n.inputs[WEIGHTED[n.op_type]].const_value is not None
+            and any(v is not None and v.name in wide for v in (*n.inputs, *n.outputs))]
 
 
 def _keep_float(model: ir.Model, names: list[str]) -> list[str]:

@@ -10,7 +10,8 @@ QDQ models: 16-bit activations at opset 21 (where 16-bit QuantizeLinear is stand
 otherwise), MatMul/Gemm/Conv weights int8 with zero point 0 and positive scales behind a
 DequantizeLinear (symmetric weights), every compute op between DequantizeLinear and
 QuantizeLinear (no float islands, which the HTP would run in fp16 or refuse), but for the
-activations the graph declares float (mixed precision: metadata FLOAT_ACTIVATIONS, a note). `onnx` and
+activations the graph declares float (mixed precision: metadata FLOAT_ACTIVATIONS, a note), whose matmuls keep
+float weights (QNN refuses a per-channel DequantizeLinear outside a quantized group). `onnx` and
 `ort` check what their targets promise: static shapes and every
 attention fused, without a K/V repeat; `onnx` also standard domains only at opset 24.
 
@@ -77,13 +78,21 @@ WEIGHTED = {"MatMul": 1, "Gemm": 1, "Conv": 1}
 def qdq_weights(model, path):
     """In a QDQ graph, the weight of a MatMul/Gemm/Conv is an int8 constant with zero point 0 and positive scales behind
     a DequantizeLinear (symmetric weights, what QNN, OpenVINO and Vitis AI take per channel); other constants (norm
-    weights, tables) are quantized like activations."""
+    weights, tables) are quantized like activations. A matmul that reads or writes an activation the graph declares
+    float keeps a float weight: QNN's HTP refuses a per-channel DequantizeLinear outside a quantized group."""
     if not any(n.op_type in QDQ for n in _nodes(model)):
         return []
-    found = []
+    found, declared = [], float_activations(model)
     for n in (n for n in _nodes(model) if n.op_type in WEIGHTED and len(n.inputs) > WEIGHTED[n.op_type]):
         w = n.inputs[WEIGHTED[n.op_type]]
         dq = w.producer() if w is not None else None
+        beside = next((v.name for v in (*n.inputs, *n.outputs) if v is not None and v.name in declared), None)
+        if beside is not None:
+            if dq is not None and dq.op_type == "DequantizeLinear" and const(dq.inputs[0]) is not None:
+                found.append(Violation("qdq-weights", n.name, n.op_type, f"weight {dq.inputs[0].name} is quantized "
+                                       f"beside the float activation {beside}; expected a float weight (QNN's HTP "
+                                       "refuses a per-channel DequantizeLinear outside a quantized group)"))
+            continue
         if dq is None or dq.op_type != "DequantizeLinear" or const(dq.inputs[0]) is None:
             if w is not None and const(w) is not None:
                 found.append(Violation("qdq-weights", n.name, n.op_type, f"weight {w.name} is float; expected int8 "

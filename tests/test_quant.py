@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from export import export_model
+from export.exporter import LintError
 from export.quantize import (CALIBRATION_DECODE_STEPS, FIRST_TOKEN_PROMPTS, QuantError, SCHEMES, calibration_inputs,
                              parse, step_feeds)
 from models import build_model, preset
@@ -110,6 +111,30 @@ def _massive(tmp_path: Path, value: float) -> str:
     return str(tmp_path / "massive.pt")
 
 
+def _written_by_the_mlp(tmp_path: Path) -> str:
+    """The tiny lm with a trained LM's massive activations made where SmolLM2-135M makes them: one neuron of layer 0's
+    MLP fires on a marker (one token in eight carries 30 in channel 5 of its embedding) at ~6000, and its down
+    projection writes ~25000 into channel 5 of the residual stream; a matmul then reads and one writes a float
+    activation."""
+    model = build_model(preset("tiny", tie_embeddings=False), "lm", seed=0)
+    mlp, neuron = model.model.layers[0].mlp, 3
+    with torch.no_grad():
+        model.model.embed_tokens.weight[::8, 5] = 30.0
+        for proj, gain in ((mlp.gate_proj, 1.0), (mlp.up_proj, 100.0)):
+            proj.weight[neuron] = 0.0
+            proj.weight[neuron, 5] = gain
+        mlp.down_proj.weight[:, neuron] = 0.0
+        mlp.down_proj.weight[5, neuron] = 4.0
+    torch.save(model.state_dict(), tmp_path / "by_mlp.pt")
+    return str(tmp_path / "by_mlp.pt")
+
+
+def _probabilities(graph) -> list[str]:
+    """The attention probabilities of a graph: its Softmax outputs and their Reshapes."""
+    made = [o for n in graph.node if n.op_type == "Softmax" for o in n.output]
+    return made + [o for n in graph.node if n.op_type == "Reshape" and n.input[0] in made for o in n.output]
+
+
 def _w8a16(weights: str, out: Path) -> dict:
     m = export_model(preset("tiny", tie_embeddings=False), out, kind="lm", weights=weights, quant=("w8a16",),
                      log=lambda *_: None)
@@ -129,33 +154,63 @@ def test_w8a16_holds_a_model_with_massive_activations(tmp_path):
     export refuses a w8a16 graph past its budget, so it must complete. (A zero row, a padding token's embedding, is
     test_handoff.py's chat model.)"""
     m = _w8a16(_massive(tmp_path, 500.0), tmp_path / "out")
-    assert all(p["stats"].get("float_activations") == 0 for g in m["graphs"] if g["target"] == "npu-w8a16"
-               for p in g["passes"] if p["pass"] == "quantize_qdq")
+    for step in ("prefill", "decode"):  # float: the attention probabilities alone (FLOAT_OPS)
+        floats = next(p for g in m["graphs"] if g["file"] == f"{step}.npu-w8a16.onnx" for p in g["passes"]
+                      if p["pass"] == "quantize_qdq")["float_activations"]
+        graph = onnx.load(str(tmp_path / "out" / f"{step}.npu-w8a16.onnx"), load_external_data=False).graph
+        assert sorted(floats) == sorted(_probabilities(graph))
 
 
 def test_w8a16_keeps_the_widest_activations_float(tmp_path, monkeypatch):
     """At SmolLM2's scale (25000 in one channel) one 16-bit grid over the residual stream steps by 0.76 and every
-    ordinary value carries that error: those activations stay float (mixed precision), and the rest 16-bit.
-    Planted: with every activation quantized the same model must be refused."""
-    weights = _massive(tmp_path, 25000.0)
+    ordinary value carries that error: those activations stay float (mixed precision), and the rest 16-bit. The matmuls
+    beside them keep float weights: QNN's HTP refuses a per-channel weight's DequantizeLinear outside a quantized group
+    (SmolLM2's down projections that write its massive activations). Planted: with those weights int8, lint and the
+    HTP must refuse the graph; with every activation quantized, the export must refuse it."""
+    from runtime import qnn
+    weights = _written_by_the_mlp(tmp_path)
     m = _w8a16(weights, tmp_path / "out")
     for step in ("prefill", "decode"):
         qdq = next(p for g in m["graphs"] if g["target"] == "npu-w8a16" and g["step"] == step for p in g["passes"]
                    if p["pass"] == "quantize_qdq")
-        graph = onnx.load(str(tmp_path / "out" / f"{step}.npu-w8a16.onnx"), load_external_data=False).graph
+        path = tmp_path / "out" / f"{step}.npu-w8a16.onnx"
+        graph = onnx.load(str(path), load_external_data=False).graph
         quantized = {n.input[0] for n in graph.node if n.op_type == "QuantizeLinear"}
-        assert qdq["float_activations"] and not quantized & set(qdq["float_activations"]), qdq["summary"]
-        assert lint(tmp_path / "out" / f"{step}.npu-w8a16.onnx", "npu") == []  # declared, so not float islands
-        undeclared = onnx.load(str(tmp_path / "out" / f"{step}.npu-w8a16.onnx"), load_external_data=False)
-        del undeclared.metadata_props[:]  # planted: the same float activations, not declared, are float islands
+        floats = set(qdq["float_activations"])
+        assert floats and not quantized & floats, qdq["summary"]
+        assert lint(path, "npu") == []  # declared, so not float islands
+        undeclared = onnx.load(str(path), load_external_data=False)
+        del undeclared.metadata_props[:]  # planted: undeclared, they are float islands and their weights float ones
         onnx.save(undeclared, str(tmp_path / "out" / "undeclared.onnx"))
-        assert {v.rule for v in lint(tmp_path / "out" / "undeclared.onnx", "npu")} == {"qdq-complete"}
-        # the residual stream and its norms' per-row scales are float, no more: every matmul reads 16-bit activations
+        assert {v.rule for v in lint(tmp_path / "out" / "undeclared.onnx", "npu")} == {"qdq-complete", "qdq-weights"}
+        # the residual stream, its norms' per-row scales and the attention probabilities are float, no more: layer 0's
+        # up projection writes a float activation and its down projection reads one, with float weights; the
+        # attention reads float probabilities; every other matmul reads 16-bit activations and int8 weights
         made_by = {o: n.op_type for n in graph.node for o in n.output}
-        assert not {made_by[a] for a in qdq["float_activations"]} & {"MatMul", "Softmax"}
+        assert set(_probabilities(graph)) <= floats
         matmuls = [n for n in graph.node if n.op_type == "MatMul"]
-        assert matmuls and all(made_by.get(i) == "DequantizeLinear" for n in matmuls for i in n.input)
-        assert len(qdq["float_activations"]) < len(quantized) / 4
+        beside = [n for n in matmuls if floats & {*n.input, *n.output}]
+        weighted = [n for n in beside if made_by.get(n.input[1]) in (None, "DequantizeLinear")
+                    and made_by.get(n.input[0]) != "Reshape"]
+        assert len(weighted) == 2 and all(made_by.get(n.input[1]) is None for n in weighted)
+        assert all(n.input[0] in _probabilities(graph) for n in beside if n not in weighted)
+        assert all(made_by.get(i) == "DequantizeLinear" for n in matmuls if n not in beside for i in n.input)
+        assert len(floats) < len(quantized) / 4
+        if qnn.available():
+            qnn.session(path, 57)  # every node on the HTP, or Refused
+    monkeypatch.setattr("export.quantize._float_weight_readers", lambda model, wide: [])
+    planted = tmp_path / "int8-beside-float"
+    with pytest.raises(LintError, match="qdq-weights: node_linear_5 .*quantized beside the float activation"):
+        export_model(preset("tiny", tie_embeddings=False), planted, kind="lm", weights=weights, quant=("w8a16",),
+                     targets=("npu",), log=lambda *_: None)
+    assert not planted.exists()
+    if qnn.available():  # what lint refused is what the HTP refuses
+        monkeypatch.setattr("export.exporter.lint", lambda path, profile: [])
+        export_model(preset("tiny", tie_embeddings=False), planted, kind="lm", weights=weights, quant=("w8a16",),
+                     targets=("npu",), log=lambda *_: None)
+        with pytest.raises(qnn.Refused, match="DequantizeLinear: QNN EP does not support a standalone DQ op with "
+                                              "per-channel quantization"):
+            qnn.session(planted / "prefill.npu-w8a16.onnx", 57)
     monkeypatch.setattr("export.quantize.WIDE_RANGE", float("inf"))
     with pytest.raises(AssertionError, match="npu-w8a16"):
         export_model(preset("tiny", tie_embeddings=False), tmp_path / "all-16-bit", kind="lm", weights=weights,
@@ -306,6 +361,42 @@ def test_massive_rows_hold_on_the_htp(tmp_path):
     got = qnn.session(tmp_path / "one_step.onnx", 57).run(None, {"x": rows})[0]
     want = rows / np.abs(rows).max(-1, keepdims=True)
     assert np.abs(got - want).max() / np.abs(want).max() > qnn.TOLERANCE
+
+
+def test_the_htp_rounds_16_bit_probabilities_down(tmp_path):
+    """Why w8a16 keeps attention probabilities float (export/quantize.py FLOAT_OPS): QNN's HTP rounds a 16-bit
+    Softmax's outputs down, so a long row's small probabilities lose their mass; in fp16 they keep it. A row of 2176
+    scores (a 2048-row cache and a 128-token chunk) with one sink, as a trained model's attention has."""
+    from onnx import TensorProto, helper, numpy_helper
+    from runtime import qnn
+    n, rng = 2176, np.random.default_rng(0)
+    x = (rng.standard_normal((1, 4, n)) * 2).astype(np.float32)
+    x[..., 0], x[..., -100:] = 12.0, -100.0  # a sink; masked rows
+    e = np.exp(x - x.max(-1, keepdims=True))
+    want = (e / e.sum(-1, keepdims=True))[..., 1:].sum(-1)  # the mass past the sink: 0.07
+
+    def mass(bits16: bool) -> np.ndarray:
+        io = [helper.make_tensor_value_info(v, TensorProto.FLOAT, [1, 4, n]) for v in ("x", "y")]
+        nodes = [helper.make_node("Softmax", ["x"], ["y"], axis=-1)]
+        inits = []
+        if bits16:  # x and y each through a uint16 QuantizeLinear -> DequantizeLinear pair, as the w8a16 graphs had
+            ranges = {"x": (-110.0, 30.0), "y": (0.0, 1.0)}
+            for v, (lo, hi) in ranges.items():
+                inits += [numpy_helper.from_array(np.array((hi - lo) / 65535, np.float32), f"{v}_s"),
+                          numpy_helper.from_array(np.array(round(-lo / ((hi - lo) / 65535)), np.uint16), f"{v}_z")]
+            nodes = [helper.make_node("QuantizeLinear", ["x", "x_s", "x_z"], ["xq"]),
+                     helper.make_node("DequantizeLinear", ["xq", "x_s", "x_z"], ["xd"]),
+                     helper.make_node("Softmax", ["xd"], ["p"], axis=-1),
+                     helper.make_node("QuantizeLinear", ["p", "y_s", "y_z"], ["pq"]),
+                     helper.make_node("DequantizeLinear", ["pq", "y_s", "y_z"], ["y"])]
+        path = tmp_path / f"softmax{16 if bits16 else 32}.onnx"
+        onnx.save(helper.make_model(helper.make_graph(nodes, "softmax", io[:1], io[1:], inits),
+                                    opset_imports=[helper.make_opsetid("", 21)]), path)
+        return qnn.session(path, 43, fp16=not bits16).run(None, {"x": x})[0][..., 1:].sum(-1)
+    held, lost = mass(False), mass(True)
+    print(f"mass past the sink {want.mean():.4f}: fp16 {held.mean():.4f}, 16-bit {lost.mean():.4f}")
+    assert np.abs(held - want).max() < 1e-3 * want.max()
+    assert (lost < 0.9 * want).all()
 
 
 def test_a_folder_with_a_tokenizer_calibrates_on_text_first(tmp_path):
