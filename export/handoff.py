@@ -30,6 +30,7 @@ from passes.lower_npu import MASK_VALUE
 from runtime import qnn
 from runtime.drivers import host_mask
 from runtime.cli import Parser, run
+from runtime.metrics import error, worst
 from runtime.parity import TOLERANCE, reference_model
 from runtime import verify
 from runtime.text import chat_ids, has_tokenizer, load_tokenizer
@@ -62,6 +63,31 @@ def least_window(config: AttentionConfig) -> int:
     return max(2 * config.chunk, config.chunk + DECODE_STEPS + 1)
 
 
+def _sequence(config: AttentionConfig, kind: str, seed: int) -> torch.Tensor:
+    """The goldens' random sequence over the window: token ids for the lm, hidden states (as config.dtype holds them)
+    else."""
+    gen, b, w = torch.Generator().manual_seed(seed), config.batch, config.capacity
+    if kind == "lm":
+        return torch.randint(0, config.vocab_size, (b, w), generator=gen)
+    return torch.randn(b, w, config.hidden_size, generator=gen).to(config.torch_dtype).float()
+
+
+def fp16_drift(config: AttentionConfig, kind: str, seed: int, weights: str | None) -> float:
+    """What fp16 costs the model in eager PyTorch: the goldens' sequence over the window in one forward with the model
+    in fp16 against one in fp32, the worst max_rel over its outputs (logits or hidden states, and the caches)."""
+    x, w = _sequence(config, kind, seed), config.capacity
+    outs = []
+    for dtype in ("fp32", "fp16"):
+        c = config.replace(dtype=dtype)
+        model = build_model(c, kind, seed, weights).eval()
+        empty = [torch.zeros(c.batch, c.num_kv_heads, w, c.head_dim, dtype=c.torch_dtype)
+                 for _ in input_names(c, kind)[2:]]
+        with torch.no_grad():
+            outs.append(model(x if kind == "lm" else x.to(c.torch_dtype), torch.arange(w).expand(c.batch, w), *empty))
+        del model
+    return worst([error(h.float().numpy(), f.numpy()) for h, f in zip(outs[1], outs[0])])["max_rel"]
+
+
 def golden(model, config: AttentionConfig, target: str, kind: str = "attention", seed: int = 0) -> dict[str, list]:
     """Per step graph: [(inputs, eager outputs, rows written)] at golden_positions, all of one random sequence over
     the window (token ids for the lm, hidden states else). Each step reads the cache a host holds: eager's rows of
@@ -69,11 +95,7 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     own rows. The lm's npu goldens store only those first rows: the verifier's host cache writes each step's."""
     reference, np_dtype = reference_model(model), "float16" if config.dtype == "fp16" else "float32"
     b, w, lm, npu = config.batch, config.capacity, kind == "lm", target.startswith("npu")
-    gen = torch.Generator().manual_seed(seed)
-    if lm:
-        x = torch.randint(0, config.vocab_size, (b, w), generator=gen)
-    else:
-        x = torch.randn(b, w, config.hidden_size, generator=gen).to(config.torch_dtype).float()
+    x = _sequence(config, kind, seed)
     names, outs = input_names(config, kind), output_names(config, kind)
     ids = "int32" if npu else "int64"
     # The lm's npu goldens store the rows a host cache starts from in fp16 (a window's deepest steps start from
@@ -180,6 +202,11 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                         graphs += _goldens(model, c.replace(capacity=w), kind, target, folder, ladders.suffix(w, c), seed, tmp,
                                            exported)
                 log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors")
+            if socs:  # what the HTP, computing in fp16, is held to (runtime/verify.py budget)
+                drift = fp16_drift(config, kind, seed, weights)
+                for g in (g for g in graphs if g["kind"] == kind):
+                    g["fp16_drift"] = drift
+                log(f"{kind}: eager PyTorch fp16 against fp32 over {config.capacity} rows: max_rel {drift:.2e}")
         for g in (g for g in graphs if g["target"].startswith("npu") and socs):
             compiled = {soc: g["file"].replace(".onnx", f".qnn{soc}.onnx") for soc in socs}
             g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f, fp16=qnn.fp16_precision(g))
@@ -200,9 +227,11 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                     "qnn": {"version": qnn.version(), "socs": list(socs), "soc_names": {str(s): qnn.SOC_NAMES.get(s, "")
                                                                                       for s in socs},
                             "emulated": "compiled and run in host emulation of the HTP, not on a phone",
-                            "precision": "float graphs in fp16 (enable_htp_fp16_precision=1), judged at 1e-2; QDQ graphs "
-                                         "(npu-w8a16) as quantized, the activations they keep float (a trained "
-                                         "model's residual stream) in fp16, judged at their accuracy budget"}
+                            "precision": "float graphs in fp16 (enable_htp_fp16_precision=1), judged at 1e-2 or "
+                                         f"{qnn.FP16_HEADROOM:g}x what fp16 costs the model in eager PyTorch "
+                                         "(fp16_drift), whichever is more; QDQ graphs (npu-w8a16) as quantized, the "
+                                         "activations they keep float (a trained model's residual stream) in fp16, "
+                                         "judged at their accuracy budget (or that, if more)"}
                     if socs else {"socs": [], "note": "onnxruntime-qnn is not installed: nothing compiled for the HTP"}}
         (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -373,7 +402,9 @@ writing each step's reference rows. Check them with `python -m runtime.verify .`
 and, optionally, openvino and onnxruntime-qnn). Every output is held to its graph's budget (`budget` in
 manifest.json: max_rel, the normwise relative error max |a - e| / max |e|: fp32 1e-4, fp16 1e-2, the QDQ
 graphs' their scheme's; for logits also KL and top-1 where the budget has them); NaN or inf never passes. A
-graph that runs and misses its budget FAILs on any runtime. "not accepted (as the manifest says)" is only for a
+graph that runs and misses its budget FAILs on any runtime. On QNN's HTP, which computes in fp16, a budget is at least
+{qnn.FP16_HEADROOM:g}x `fp16_drift`: what fp16 costs the model in eager PyTorch over the window, measured when the
+bundle was built (a deep trained model drifts by itself). "not accepted (as the manifest says)" is only for a
 runtime that will not load a graph and names an op that `runtimes` in manifest.json records it refusing for the
 graph's target (e.g. OpenVINO and QNN's HTP have no `TensorScatter`, which the `onnx` graphs use).
 
