@@ -243,7 +243,7 @@ def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: 
         qdq, feeds, floats_kept = quantize.qdq(float_graph, quantize.step_feeds(driver, inputs, kind, step))
         entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {feeds} calibration feeds, "
                                                     f"{len(floats_kept)} activation(s) kept float (wider than "
-                                                    f"+-{quantize.WIDE_RANGE:g}, or attention probabilities)",
+                                                    f"+-{quantize.WIDE_RANGE:g}, or made by {'/'.join(quantize.FLOAT_OPS)})",
                  "stats": {"quantize_linear": sum(n.op_type == "QuantizeLinear" for n in qdq.graph),
                            "float_activations": len(floats_kept)},
                  "not_matched": [], "float_activations": floats_kept}

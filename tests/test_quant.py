@@ -129,9 +129,10 @@ def _written_by_the_mlp(tmp_path: Path) -> str:
     return str(tmp_path / "by_mlp.pt")
 
 
-def _probabilities(graph) -> list[str]:
-    """The attention probabilities of a graph: its Softmax outputs and their Reshapes."""
-    made = [o for n in graph.node if n.op_type == "Softmax" for o in n.output]
+def _float_by_op(graph) -> list[str]:
+    """What w8a16 keeps float for its op (FLOAT_OPS), read from the graph: the attention probabilities (Softmax
+    outputs, and their Reshapes) and the norms' means of squares."""
+    made = [o for n in graph.node if n.op_type in ("Softmax", "ReduceMean") for o in n.output]
     return made + [o for n in graph.node if n.op_type == "Reshape" and n.input[0] in made for o in n.output]
 
 
@@ -154,11 +155,11 @@ def test_w8a16_holds_a_model_with_massive_activations(tmp_path):
     export refuses a w8a16 graph past its budget, so it must complete. (A zero row, a padding token's embedding, is
     test_handoff.py's chat model.)"""
     m = _w8a16(_massive(tmp_path, 500.0), tmp_path / "out")
-    for step in ("prefill", "decode"):  # float: the attention probabilities alone (FLOAT_OPS)
+    for step in ("prefill", "decode"):  # float: the attention probabilities and means of squares alone (FLOAT_OPS)
         floats = next(p for g in m["graphs"] if g["file"] == f"{step}.npu-w8a16.onnx" for p in g["passes"]
                       if p["pass"] == "quantize_qdq")["float_activations"]
         graph = onnx.load(str(tmp_path / "out" / f"{step}.npu-w8a16.onnx"), load_external_data=False).graph
-        assert sorted(floats) == sorted(_probabilities(graph))
+        assert sorted(floats) == sorted(_float_by_op(graph))
 
 
 def test_w8a16_keeps_the_widest_activations_float(tmp_path, monkeypatch):
@@ -183,17 +184,17 @@ def test_w8a16_keeps_the_widest_activations_float(tmp_path, monkeypatch):
         del undeclared.metadata_props[:]  # planted: undeclared, they are float islands and their weights float ones
         onnx.save(undeclared, str(tmp_path / "out" / "undeclared.onnx"))
         assert {v.rule for v in lint(tmp_path / "out" / "undeclared.onnx", "npu")} == {"qdq-complete", "qdq-weights"}
-        # the residual stream, its norms' per-row scales and the attention probabilities are float, no more: layer 0's
-        # up projection writes a float activation and its down projection reads one, with float weights; the
-        # attention reads float probabilities; every other matmul reads 16-bit activations and int8 weights
+        # the residual stream, its norms' per-row scales and means of squares, the attention probabilities are float,
+        # no more: layer 0's up projection writes a float activation and its down projection reads one, with float
+        # weights; the attention reads float probabilities; every other matmul reads 16-bit activations and int8 weights
         made_by = {o: n.op_type for n in graph.node for o in n.output}
-        assert set(_probabilities(graph)) <= floats
+        assert set(_float_by_op(graph)) <= floats
         matmuls = [n for n in graph.node if n.op_type == "MatMul"]
         beside = [n for n in matmuls if floats & {*n.input, *n.output}]
         weighted = [n for n in beside if made_by.get(n.input[1]) in (None, "DequantizeLinear")
                     and made_by.get(n.input[0]) != "Reshape"]
         assert len(weighted) == 2 and all(made_by.get(n.input[1]) is None for n in weighted)
-        assert all(n.input[0] in _probabilities(graph) for n in beside if n not in weighted)
+        assert all(n.input[0] in _float_by_op(graph) for n in beside if n not in weighted)
         assert all(made_by.get(i) == "DequantizeLinear" for n in matmuls if n not in beside for i in n.input)
         assert len(floats) < len(quantized) / 4
         if qnn.available():
