@@ -229,8 +229,9 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                             "emulated": "compiled and run in host emulation of the HTP, not on a phone",
                             "precision": "float graphs in fp16 (enable_htp_fp16_precision=1), judged at 1e-2 or "
                                          f"{qnn.FP16_HEADROOM:g}x what fp16 costs the model in eager PyTorch "
-                                         "(fp16_drift), whichever is more; QDQ graphs (npu-w8a16) as quantized, the "
-                                         "activations they keep float (a trained model's residual stream) in fp16, "
+                                         f"(fp16_drift; at most {qnn.FP16_CAP:g}), whichever is more; QDQ graphs "
+                                         "(npu-w8a16) as quantized, the activations they keep float (a trained "
+                                         "model's residual stream) in fp16, "
                                          "judged at their accuracy budget (or that, if more)"}
                     if socs else {"socs": [], "note": "onnxruntime-qnn is not installed: nothing compiled for the HTP"}}
         (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
@@ -404,7 +405,7 @@ manifest.json: max_rel, the normwise relative error max |a - e| / max |e|: fp32 
 graphs' their scheme's; for logits also KL and top-1 where the budget has them); NaN or inf never passes. A
 graph that runs and misses its budget FAILs on any runtime. On QNN's HTP, which computes in fp16, a budget is at least
 {qnn.FP16_HEADROOM:g}x `fp16_drift`: what fp16 costs the model in eager PyTorch over the window, measured when the
-bundle was built (a deep trained model drifts by itself). "not accepted (as the manifest says)" is only for a
+bundle was built (a deep trained model drifts by itself), up to {qnn.FP16_CAP:g}. "not accepted (as the manifest says)" is only for a
 runtime that will not load a graph and names an op that `runtimes` in manifest.json records it refusing for the
 graph's target (e.g. OpenVINO and QNN's HTP have no `TensorScatter`, which the `onnx` graphs use).
 

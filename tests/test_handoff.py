@@ -222,8 +222,8 @@ def test_verify_fails_a_bundle_with_a_planted_fault(bundle, tmp_path, capsys):
 def test_the_htp_budget_follows_what_fp16_costs_the_model(bundle):
     """The HTP computes in fp16, where a deep trained model drifts from fp32 by itself (SmolLM2-135M: 1.0e-2 in eager
     PyTorch), so a graph there is held to FP16_HEADROOM times the model's measured fp16 drift where that passes the fp16
-    tolerance. The tiny random models drift far less (under 1/2 of it): a graph 2% off must fail there (planted: a
-    drift of 1e-2 would pass it)."""
+    tolerance, up to FP16_CAP. The tiny random models drift far less (under 1/2 of it): a graph 2% off must fail there
+    (planted: a drift of 1e-2 would pass it; one of 0.5 must not pass a graph of zeros)."""
     from runtime.verify import budget
     m = json.loads((bundle / "manifest.json").read_text())
     drifts = {g["kind"]: g["fp16_drift"] for g in m["graphs"]}
@@ -237,6 +237,9 @@ def test_the_htp_budget_follows_what_fp16_costs_the_model(bundle):
     deep = graph | {"fp16_drift": 1e-2}
     assert budget(deep, "qnn-htp-57").max_rel == 3e-2 and budget(deep, "onnxruntime").max_rel == 1e-4
     assert why_not({"max_abs": 1.0, "max_rel": 0.02, "finite": True}, budget(deep, "qnn-htp-57")) is None
+    unstable = graph | {"fp16_drift": 0.5}  # planted: a model fp16 cannot hold must not loosen the budget to zeros
+    assert budget(unstable, "qnn-htp-57").max_rel == qnn.FP16_CAP
+    assert why_not({"max_abs": 1.0, "max_rel": 1.0, "finite": True}, budget(unstable, "qnn-htp-57"))
 
 
 def test_verify_refuses_a_folder_that_is_no_bundle(tmp_path, capsys):
