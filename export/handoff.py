@@ -249,8 +249,9 @@ def greedy_texts(bundle: Path, graphs: list[dict], model, runtimes: list[str], l
     tokenizer = load_tokenizer(bundle / "lm-fp32")
     prompt = chat_ids(tokenizer, CHAT, "the bundle")
     reference = reference_model(model)
-    want = (reference.generate_greedy if hasattr(reference, "generate_greedy") else partial(greedy, reference))(
-        torch.tensor([prompt]), GREEDY_TOKENS)[0][0].tolist()
+    tokens, logits = (reference.generate_greedy if hasattr(reference, "generate_greedy") else partial(greedy, reference))(
+        torch.tensor([prompt]), GREEDY_TOKENS)
+    want, logits = tokens[0].tolist(), logits[0].detach().float().numpy()
     rows = [{"runtime": "eager PyTorch", "graph": "fp32", "tokens": want}]
     steps = {}
     for g in (g for g in graphs if g["kind"] == "lm" and g["target"].startswith("npu") and g["window"] == max(
@@ -263,8 +264,11 @@ def greedy_texts(bundle: Path, graphs: list[dict], model, runtimes: list[str], l
             log(f"greedy on {runtime}, {dtype} {target}: {tokenizer.decode(rows[-1]['tokens'])!r}")
     for row in rows:
         row["text"] = tokenizer.decode(row["tokens"], skip_special_tokens=False)
-        row["leading_tokens_equal"] = next((i for i, (a, b) in enumerate(zip(row["tokens"], want)) if a != b),
-                                           len(want))
+        row["leading_tokens_equal"] = i = next((i for i, (a, b) in enumerate(zip(row["tokens"], want)) if a != b),
+                                               len(want))
+        # where it left eager, how far apart eager's logits put the two tokens: a near-tie there is any scheme's
+        # coin flip, a wide margin is a broken graph
+        row["eager_margin"] = float(logits[i, want[i]] - logits[i, row["tokens"][i]]) if i < len(want) else None
     return {"chat": CHAT, "prompt_tokens": len(prompt), "new_tokens": GREEDY_TOKENS, "rows": rows}
 
 
@@ -344,17 +348,19 @@ def _answers(text: dict | None) -> str:
     """The greedy-text table: what each runtime's graphs answered to one chat message."""
     if not text:
         return ""
-    rows = "\n".join(f"| {r['runtime']} | {r['graph']} | {r['leading_tokens_equal']} | `{r['text'][:160]!r}` |"
-                     for r in text["rows"])
+    rows = "\n".join(f"| {r['runtime']} | {r['graph']} | {r['leading_tokens_equal']} | "
+                     f"{'' if r.get('eager_margin') is None else format(r['eager_margin'], '.3f')} | "
+                     f"`{r['text'][:160]!r}` |" for r in text["rows"])
     return f"""
 ## What it answers
 
 {text['chat']!r} through the model's chat template ({text['prompt_tokens']} tokens), then {text['new_tokens']}
 greedy tokens, from eager PyTorch and from every npu graph over C rows on every runtime below (the host keeping the
-cache as above); "equal" counts the leading tokens that are eager's:
+cache as above); "equal" counts the leading tokens that are eager's; where a row leaves eager's tokens, "margin" is
+how many logits eager's own choice there led the row's token by (a near-tie flips under any rounding):
 
-| runtime | graph | equal | text |
-|---|---|---|---|
+| runtime | graph | equal | margin | text |
+|---|---|---|---|---|
 {rows}
 """
 

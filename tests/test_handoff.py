@@ -326,10 +326,52 @@ def test_a_trained_model_bundle_says_what_every_runtime_answers(trained):
     for (runtime, graph), r in rows.items():
         run = next((i for i, (a, b) in enumerate(zip(r["tokens"], want)) if a != b), len(want))
         assert r["leading_tokens_equal"] == run and r["text"] == tokenizer.decode(r["tokens"])
+        assert (r["eager_margin"] is None) == (run == len(want))  # its value: the test below
         if runtime in ("onnxruntime", "openvino-cpu") and graph == "fp32 npu":
             assert r["tokens"] == want, (runtime, graph)
     readme = (bundle / "README.md").read_text()
     assert "## What it answers" in readme and f"| onnxruntime | fp32 npu | {len(want)} |" in readme
+
+
+def _zero_logits(monkeypatch):
+    """Planted fault: every runtime's logits all zero (its greedy picks token 0); returns the real runner."""
+    from runtime import verify
+    real = verify._runner
+
+    def zero_logits(bundle_, graph, runtime):
+        run = real(bundle_, graph, runtime)
+        return lambda feeds: {k: (np.zeros_like(v) if k == "logits" else v) for k, v in run(feeds).items()}
+    monkeypatch.setattr(verify, "_runner", zero_logits)
+    return real
+
+
+def test_the_answer_table_gives_eager_margin_where_a_runtime_leaves_it(trained, monkeypatch):
+    # planted fault: OpenVINO's logits all zero, so it answers token 0 every step; its rows must leave eager's tokens
+    # at eager's first non-0 token, with eager's own lead there over token 0 (transformers' logits) as the margin
+    import torch
+    import transformers
+    from export import handoff
+    from models import AttentionConfig, build_model
+    bundle = trained / "handoff"
+    m = json.loads((bundle / "manifest.json").read_text())
+    _zero_logits(monkeypatch)
+    config = AttentionConfig.from_dict(m["config"])
+    text = handoff.greedy_texts(bundle, m["graphs"], build_model(config, "lm", 0, m["weights"]), ["openvino-cpu"],
+                                log=lambda *_: None)
+    want = text["rows"][0]["tokens"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(m["weights"]).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(m["weights"])
+    ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text["chat"]}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + want])).logits[0, len(ids) - 1:-1]
+    first = next(i for i, t in enumerate(want) if t != 0)
+    rows = [r for r in text["rows"] if r["runtime"] == "openvino-cpu"]
+    assert rows and all(r["tokens"] == [0] * len(want) and r["leading_tokens_equal"] == first for r in rows)
+    for r in rows:
+        assert r["eager_margin"] == pytest.approx(float(logits[first, want[first]] - logits[first, 0]), abs=1e-4)
+        assert r["eager_margin"] > 0
+    assert text["rows"][0]["eager_margin"] is None
 
 
 def test_the_greedy_count_refuses_a_graph_with_zero_logits(trained, monkeypatch):
@@ -338,12 +380,7 @@ def test_the_greedy_count_refuses_a_graph_with_zero_logits(trained, monkeypatch)
     bundle = trained / "handoff"
     m = json.loads((bundle / "manifest.json").read_text())
     pair = {g["step"]: g for g in m["graphs"] if g["file"].startswith("lm-fp32/") and g["target"] == "npu"}
-    real = verify._runner
-
-    def zero_logits(bundle_, graph, runtime):
-        run = real(bundle_, graph, runtime)
-        return lambda feeds: {k: (np.zeros_like(v) if k == "logits" else v) for k, v in run(feeds).items()}
-    monkeypatch.setattr(verify, "_runner", zero_logits)
+    real = _zero_logits(monkeypatch)
     prompt = [1, 5, 9]
     got = verify.greedy(bundle, pair, "openvino-cpu", prompt, 8)
     monkeypatch.setattr(verify, "_runner", real)
