@@ -130,7 +130,12 @@ def prepare_folder(config, kind: str, folder: Path, engines: list[str]) -> dict[
     if any(e in LLAMACPP for e in engines):
         try:
             llamacpp.ensure_installed()
-            found |= llamacpp.build_ggufs(weights, folder / "llamacpp")
+            for engine, path in llamacpp.build_ggufs(weights, folder / "llamacpp").items():
+                if engine in engines and (why := llamacpp.faults(path)):
+                    print(f"{engine} unavailable: {why}", flush=True)
+                    found["unavailable"][engine] = why
+                else:
+                    found[engine] = path
         except llamacpp.LlamaCppUnavailable as e:  # its engines then say so in the results
             print(f"llama.cpp engines unavailable: {e}", flush=True)
             found["unavailable"] |= {e_: str(e) for e_ in LLAMACPP}

@@ -11,7 +11,10 @@ driver reads the last position's row from the context; Llama.reset() only sets n
 drops the cache rows past n_tokens; Llama(flash_attn=False) is DISABLED, not llama.cpp's own default (AUTO).
 llama_cpp imports diskcache (a declared dependency, missing after `pip install --no-deps`). The converter imports
 sentencepiece for every Llama folder, before it looks for a tokenizer.model, so it needs sentencepiece installed
-even for a BPE tokenizer.json; it reads the folder with the vendored gguf-py, not the installed gguf.
+even for a BPE tokenizer.json; it reads the folder with the vendored gguf-py, not the installed gguf. A native build
+(GGML_NATIVE, the default) on a CPU reporting amx_tile compiles llama.cpp's AMX kernels in whatever GGML_AMX_* says,
+and a VM that does not grant the process AMX tiles faults on them (faults() catches it); -DGGML_NATIVE=OFF with
+-DGGML_AVX512=ON and the other ISA flags spelled out builds without them.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -34,6 +38,10 @@ from models.fetch import sha256
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # PyPI's llama_cpp_python-0.3.36.tar.gz
 ENGINES = ("llamacpp-f32", "llamacpp-q4_0", "llamacpp-q4_1")
+ROOT = Path(__file__).resolve().parents[1]
+# Reads a GGUF and evaluates a few tokens, in a subprocess (faults()).
+PROBE = ("import sys, numpy as np; from benchmarks.llamacpp import LlamaCppDriver; "
+         "d = LlamaCppDriver(sys.argv[1], threads=1, n_ctx=64); d.feed(np.array([[1, 2, 3, 4]])); d.decode(np.array([[5]]))")
 BUILT = {"llamacpp-f32": "llamacpp-f32.gguf", "llamacpp-q4_0": "llamacpp-q4_0.gguf"}  # built into `out`; q4_1 is the folder's
 STAMP = "built-from-weights"  # in `out`: the weights (and llama-cpp-python) every GGUF there was built from
 # What convert_hf_to_gguf.py imports from its own tree: the per-architecture classes and the gguf-py it was written with.
@@ -157,6 +165,25 @@ def quantize(src: Path, dest: Path, log=print) -> None:
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dest).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama_model_quantize failed on {src} (Q4_0)")
+
+
+def faults(path: Path, timeout: float = 600) -> str | None:
+    """None where llama.cpp reads `path` and evaluates a few tokens in a subprocess; else why not, in one line.
+    llama.cpp's CPU kernels die by a signal rather than raise where the CPU faults on them, and in-process that ends
+    the whole benchmark (measured: a VM whose CPU reports amx_tile and AVX-512 took a general protection fault in
+    libggml-cpu on the first Q4_0 or Q4_1 evaluation of a native build; F32 ran)."""
+    try:
+        res = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, cwd=ROOT,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not evaluate {Path(path).name} within {timeout:g} s"
+    if res.returncode == 0:
+        return None
+    how = f"killed by {signal.Signals(-res.returncode).name}" if res.returncode < 0 else \
+        f"exit {res.returncode}: {_last_line(res.stderr)}"
+    return f"llama.cpp failed to evaluate {Path(path).name} on this CPU ({how}); where it is its AMX kernels, " \
+        f"CMAKE_ARGS=\"-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF\" pip install --force-reinstall " \
+        f"--no-deps {LLAMA_CPP} builds one without them"
 
 
 class LlamaCppDriver:
