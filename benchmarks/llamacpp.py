@@ -13,8 +13,8 @@ llama_cpp imports diskcache (a declared dependency, missing after `pip install -
 sentencepiece for every Llama folder, before it looks for a tokenizer.model, so it needs sentencepiece installed
 even for a BPE tokenizer.json; it reads the folder with the vendored gguf-py, not the installed gguf. A native build
 (GGML_NATIVE, the default) on a CPU reporting amx_tile compiles llama.cpp's AMX kernels in whatever GGML_AMX_* says,
-and a VM that does not grant the process AMX tiles faults on them (faults() catches it); -DGGML_NATIVE=OFF with
--DGGML_AVX512=ON and the other ISA flags spelled out builds without them.
+and a VM that does not grant the process AMX tiles faults on them (faults() catches it); PORTABLE's flags build
+without them.
 """
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ LLAMA_CPP = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # PyPI's llama_cpp_python-0.3.36.tar.gz
 ENGINES = ("llamacpp-f32", "llamacpp-q4_0", "llamacpp-q4_1")
 ROOT = Path(__file__).resolve().parents[1]
+# A build for this CPU's ISA without -march=native, which would compile the AMX kernels in (measured: 0.3.36 with only
+# -DGGML_AMX_*=OFF still faulted in ggml_backend_amx_mul_mat; with these, Q4_0 and Q4_1 evaluate).
+PORTABLE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+            "-DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
 # Reads a GGUF and evaluates a few tokens, in a subprocess (faults()).
 PROBE = ("import sys, numpy as np; from benchmarks.llamacpp import LlamaCppDriver; "
          "d = LlamaCppDriver(sys.argv[1], threads=1, n_ctx=64); d.feed(np.array([[1, 2, 3, 4]])); d.decode(np.array([[5]]))")
@@ -182,8 +186,7 @@ def faults(path: Path, timeout: float = 600) -> str | None:
     how = f"killed by {signal.Signals(-res.returncode).name}" if res.returncode < 0 else \
         f"exit {res.returncode}: {_last_line(res.stderr)}"
     return f"llama.cpp failed to evaluate {Path(path).name} on this CPU ({how}); where it is its AMX kernels, " \
-        f"CMAKE_ARGS=\"-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF\" pip install --force-reinstall " \
-        f"--no-deps {LLAMA_CPP} builds one without them"
+        f"CMAKE_ARGS=\"{PORTABLE}\" pip install --force-reinstall --no-deps {LLAMA_CPP} builds one without them"
 
 
 class LlamaCppDriver:
