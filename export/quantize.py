@@ -7,9 +7,11 @@
   runs below fp32 GEMM (make bench: int4 prefill@128 121 ms vs fp32 111, int8 1.4x slower in
   docs/quantization.md). Decode, bound by bytes, is where the bits pay.
 - `w8a16` (target `npu-w8a16`): the npu graph in QDQ form for NPU compilers (QNN HTP, OpenVINO):
-  weights int8 symmetric (per output channel), activations uint16 with ranges calibrated on
-  activations recorded from real forward passes, by onnxruntime's static quantizer (MinMax). The
-  graph moves to opset 21, where 16-bit QuantizeLinear is standard ONNX.
+  weights int8 symmetric with a scale per block of 32 along each output channel (onnxruntime's
+  static quantizer gives one per channel; passes/block_qdq_weights.py re-quantizes them in blocks),
+  activations uint16 with ranges calibrated on activations recorded from real forward passes, by
+  onnxruntime's static quantizer (MinMax). The graph moves to opset 21, where 16-bit QuantizeLinear
+  and blocked DequantizeLinear are standard ONNX.
 
 Each scheme has a budget against fp32 eager PyTorch, set from measured errors with a margin (SCHEMES): every
 single step (on caches eager filled from a real prefix) and every sequence is held to its max relative error; the
@@ -33,6 +35,7 @@ from models import AttentionConfig
 from runtime.drivers import HostCacheGenerator
 from runtime.metrics import Budget
 
+from passes.block_qdq_weights import BlockQDQWeights
 from passes.build import replace_value
 from passes.lint import FLOAT_ACTIVATIONS, WEIGHTED
 from passes.lower_npu import MASK_VALUE
@@ -78,7 +81,8 @@ SCHEMES = {
     "int8": Scheme("ort", ("decode",), Budget(0.1, kl_mean=6e-3, top1=0.75),
                    f"weights int8 symmetric in blocks of 32 (llama.cpp's Q8_0 grid; MatMulNBits, accuracy level 4); {_PREFILL}"),
     "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=0.012, top1=0.6),
-                    "QDQ: weights int8 symmetric per output channel, activations uint16 asymmetric per tensor, "
+                    "QDQ: weights int8 symmetric in blocks of 32 along each output channel, activations uint16 "
+                    "asymmetric per tensor, "
                     f"MinMax-calibrated; an activation whose range passes +-{WIDE_RANGE:g} stays float, and so do "
                     "attention probabilities and norms' means of squares (mixed precision)"),
 }
@@ -244,11 +248,12 @@ def _runs(driver: HostCacheGenerator, inputs: list[np.ndarray], kind: str) -> It
             yield
 
 
-def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, list[str]]:
+def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, list[str], dict]:
     """The float npu graph `model` in QDQ form (w8a16), activation ranges from `feeds` (widened); how many feeds it
-    read; and the activations it left float (WIDE_RANGE, FLOAT_OPS)."""
+    read; the activations it left float (WIDE_RANGE, FLOAT_OPS); and the report of block_qdq_weights, which gives the
+    weights a scale per block of 32 (the quantizer gives one per channel)."""
     q = ort_quantization()
-    constant_weights(model)  # so the tied lm_head is quantized as a weight (per channel), not as an activation
+    constant_weights(model)  # so the tied lm_head is quantized as a weight (in blocks), not as an activation
     readers = _wide_constant_readers(model)
     proto = onnx.version_converter.convert_version(ir.serde.serialize_model(model), QDQ_OPSET)
     with tempfile.TemporaryDirectory(prefix="qdq-") as tmp, quiet():
@@ -271,7 +276,9 @@ def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, list[str
         kept = _keep_float(quantized, wide)
         if kept:  # declared, so that lint tells them from a float island the quantizer left by mistake
             quantized.metadata_props[FLOAT_ACTIVATIONS] = json.dumps(kept)
-        return quantized, read, kept
+        blocks = BlockQDQWeights(model)
+        blocks(quantized)
+        return quantized, read, kept, blocks.report()
 
 
 def _rescaled(model: ir.Model, wide: set[str]) -> list[str]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from . import qnn
 from .cli import Parser, run
 from .metrics import Budget, error, logit_error, why_not, worst
+from .session import cpu_options
 
 import numpy as np
 import onnxruntime as ort
@@ -76,7 +77,7 @@ class HostCache:
 
 
 def _onnxruntime(path: Path):
-    options = ort.SessionOptions()
+    options = cpu_options()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return lambda feeds: dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))

@@ -96,9 +96,28 @@ def test_qdq_graphs_are_npu_clean(exported):
         inits = {i.name: i for i in model.graph.initializer}
         zero_types = {inits[n.input[2]].data_type for n in model.graph.node if n.op_type == "QuantizeLinear"}
         assert zero_types == {onnx.TensorProto.UINT16}
+        # every matmul weight int8 in blocks of 32 along K (block_qdq_weights), none left per channel
+        weights = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+                   and inits[n.input[0]].data_type == onnx.TensorProto.INT8]
+        blocked = next(p for g in m["graphs"] if g["file"] == path.name for p in g["passes"]
+                       if p["pass"] == "block_qdq_weights")
+        assert weights and blocked["stats"]["blocked"] == len(weights) and blocked["not_matched"] == []
+        assert all({a.name: a.i for a in n.attribute} == {"axis": 0, "block_size": 32} for n in weights)
     calib = next(g for g in m["graphs"] if g["target"] == "npu-w8a16")["calibration"]
     assert calib["method"] == "MinMax" and calib["feeds"] > 0
     assert next(g for g in m["graphs"] if g["target"] == "npu-w8a16")["host_cache"]["mask_value"] == -100.0
+
+
+def test_a_bad_blocked_weight_is_refused(tmp_path, monkeypatch):
+    """block_qdq_weights changes the weights the QDQ graph multiplies by: planted, its scales of each block reversed
+    across the output channels, the export's parity against eager must refuse the graph and leave nothing."""
+    from passes import block_qdq_weights
+    q8 = block_qdq_weights.q8_blocks
+    monkeypatch.setattr(block_qdq_weights, "q8_blocks", lambda w: (lambda c, s: (c, s[::-1].copy()))(*q8(w)))
+    with pytest.raises(AssertionError, match="npu-w8a16"):
+        export_model(preset("tiny"), tmp_path / "out", kind="lm", quant=("w8a16",), targets=("npu",),
+                     log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
 
 
 def _massive(tmp_path: Path, value: float) -> str:
