@@ -9,12 +9,17 @@ A trained model (`--model smollm2`): every engine against fp32 transformers on t
 prompt read and then 64 greedy tokens: every target of ours (the fp32 ones, int4 at accuracy levels 4 and 0, int8,
 w8a16), onnxruntime-genai's fp32 and int4 builds of the folder, and llama.cpp on GGUFs of it (F32 and Q4_0 converted
 from it, its original Q4_1). Writes benchmarks/MODEL/accuracy.json and accuracy.md.
+
+`--engines a,b` measures those engines alone and keeps every other row of the accuracy.json already there (a change
+that moves one engine's numbers reruns that engine, not the hour the others take); its `measured` says which run made
+each row.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +55,8 @@ def main(argv=None) -> int:
                    "preset's random weights")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads [all cores]")
     p.add_argument("--out", default="benchmarks", help="output folder [benchmarks]")
+    p.add_argument("--engines", type=lambda s: [e.strip() for e in s.split(",") if e.strip()],
+                   help="measure only these engines, keeping the other rows of the accuracy.json there [all]")
     args = p.parse_args(argv)
     return run(measure_trained if args.model else measure_all, args)
 
@@ -61,19 +68,21 @@ def measure_all(args) -> int:
     prompts = accuracy.prompt_set(config)
     refs = accuracy.references(model, prompts)
     rows = {}
-    for target in TARGETS:
+    wanted = _wanted(args.engines, TARGETS + PEERS, out / "accuracy.json")
+    for target in (t for t in TARGETS if t in wanted):
         rows[target] = accuracy.measure(open_generator(folders["lm"], target, provider="cpu", threads=args.threads),
                                         prompts, refs)
         print(f"{target:14s} {_line(rows[target])}", flush=True)
-    for peer in PEERS:
+    for peer in (p for p in PEERS if p in wanted):
         if not (folders[peer] / "genai_config.json").exists():
             print(f"{peer}: not built (onnxruntime-genai is not installed)")
             continue
         driver = GenaiDriver(folders[peer], args.threads, max_length=config.capacity)
         rows[peer] = accuracy.measure(driver, prompts, refs)
         print(f"{peer:14s} {_line(rows[peer])}", flush=True)
-    doc = {"preset": args.preset, "reference": "eager PyTorch fp32, same weights", "prompts": rows["ort"]["prompts"],
-           "decode_steps": accuracy.DECODE_STEPS, "results": rows}
+    doc = _kept({"preset": args.preset, "reference": "eager PyTorch fp32, same weights",
+                 "prompts": next(iter(rows.values()))["prompts"], "decode_steps": accuracy.DECODE_STEPS, "results": rows},
+                out / "accuracy.json", TARGETS + PEERS)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "accuracy.md").write_text(accuracy_markdown(doc))
@@ -84,18 +93,21 @@ def measure_all(args) -> int:
 def measure_trained(args) -> int:
     config = model_configs(preset(args.preset), [args.model])[args.model]
     weights, out = ARTIFACTS / args.model, Path(args.out)
-    folders = prepare_folder(config, args.model, out / ".work" / args.model, list(GENAI + LLAMACPP))
+    engines = TRAINED_TARGETS + GENAI + LLAMACPP
+    wanted = _wanted(args.engines, engines, out / args.model / "accuracy.json")
+    folders = prepare_folder(config, args.model, out / ".work" / args.model, [e for e in GENAI + LLAMACPP if e in wanted])
     prompts = trained_prompts(weights)
     step = build_model(config, "lm", weights=str(weights))
     print(f"transformers fp32: {len(prompts)} prompts, greedy {TRAINED_STEPS} tokens each", flush=True)
     refs = [tuple(t[0].numpy() for t in step.generate_greedy(torch.from_numpy(p), TRAINED_STEPS + 1)) for p in prompts]
     rows = {}
-    for name, driver in _trained_drivers(folders, config, args.threads):
+    for name, driver in _trained_drivers(folders, config, args.threads, wanted):
         rows[name] = accuracy.measure(driver, prompts, refs) if not isinstance(driver, str) else {"unavailable": driver}
         print(f"{name:14s} " + (f"unavailable: {driver}" if isinstance(driver, str) else _line(rows[name])), flush=True)
-    doc = {"model": args.model, "reference": "transformers fp32 (its own generate, greedy), same folder",
-           "prompts": [{"kind": p["kind"], "tokens": int(ids.shape[1])} for p, ids in zip(_prompt_file(), prompts)],
-           "decode_steps": TRAINED_STEPS, "tie": accuracy.TIE, "results": rows}
+    doc = _kept({"model": args.model, "reference": "transformers fp32 (its own generate, greedy), same folder",
+                 "prompts": [{"kind": p["kind"], "tokens": int(ids.shape[1])} for p, ids in zip(_prompt_file(), prompts)],
+                 "decode_steps": TRAINED_STEPS, "tie": accuracy.TIE, "results": rows},
+                out / args.model / "accuracy.json", engines)
     target = out / args.model
     target.mkdir(parents=True, exist_ok=True)
     (target / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -116,11 +128,37 @@ def trained_prompts(folder: Path) -> list[np.ndarray]:
                       prompt_ids(tokenizer, p["text"])]) for p in _prompt_file()]
 
 
-def _trained_drivers(folders: dict, config, threads: int):
-    """(engine name, its driver, or why it could not be built here) for every engine of the table."""
+def _wanted(engines: list[str] | None, known: tuple, previous: Path) -> set[str]:
+    """The engines to measure: all of `known`, or those named, which need the table `previous` to keep the rest of."""
+    if not engines:
+        return set(known)
+    if unknown := [e for e in engines if e not in known]:
+        raise ValueError(f"--engines: unknown engine(s) {unknown}; expected some of {', '.join(known)}")
+    if not previous.exists():
+        raise ValueError(f"--engines: {previous} does not exist, so there are no other rows to keep; run without "
+                         "--engines first")
+    return set(engines)
+
+
+def _kept(doc: dict, previous: Path, order: tuple) -> dict:
+    """`doc` with the rows of `previous` it did not measure, in `order`; each row's `measured`: this run or an earlier.
+    Refuses to mix tables of other prompts or another number of decode steps."""
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows = {name: dict(row, measured=stamp) for name, row in doc["results"].items()}
+    if previous.exists() and set(rows) != set(order):
+        old = json.loads(previous.read_text())
+        if old["prompts"] != doc["prompts"] or old["decode_steps"] != doc["decode_steps"]:
+            raise ValueError(f"{previous} was measured on other prompts or decode steps; expected the same table, "
+                             "or a run without --engines")
+        rows = {**old["results"], **rows}
+    return dict(doc, results={name: rows[name] for name in order if name in rows})
+
+
+def _trained_drivers(folders: dict, config, threads: int, wanted: set[str]):
+    """(engine name, its driver, or why it could not be built here) for every engine of the table in `wanted`."""
     export = folders[next(k for k in folders if k in TRAINED)]
     exported = {g["target"] for g in load_manifest(export)["graphs"]}
-    for target in TRAINED_TARGETS:
+    for target in (t for t in TRAINED_TARGETS if t in wanted):
         if ("ort-int4" if target == LEVEL_0 else target) not in exported:
             yield target, "not exported: python -m benchmarks exports the quantized targets " \
                 f"{', '.join(TRAINED_QUANT)} of a trained model (see TRAINED_QUANT)"
@@ -128,11 +166,11 @@ def _trained_drivers(folders: dict, config, threads: int):
         manifest = level_0(export) if target == LEVEL_0 else None
         yield target, open_generator(export, "ort-int4" if target == LEVEL_0 else target, manifest=manifest,
                                      provider="cpu", threads=threads)
-    for peer in GENAI:
+    for peer in (p for p in GENAI if p in wanted):
         built = (folders[peer] / "genai_config.json").exists()
         yield peer, GenaiDriver(folders[peer], threads, max_length=config.capacity) if built else \
             "onnxruntime-genai is not installed"
-    for engine in LLAMACPP:
+    for engine in (e for e in LLAMACPP if e in wanted):
         yield engine, llamacpp.LlamaCppDriver(folders[engine], threads, config.capacity) if engine in folders else \
             folders["unavailable"].get(engine, "not built")
 

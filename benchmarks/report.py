@@ -299,11 +299,22 @@ def accuracy_markdown(doc: dict) -> str:
                           f"(benchmarks/prompts.json: {kinds}), each read and then {doc['decode_steps']} greedy tokens. "
                           "KL and top-1 over the reference's own continuation (teacher forcing); greedy tokens: "
                           "free-running, counted up to the first that differs from the reference's.", "",
-                          *trained_accuracy_table(doc)]) + "\n"
+                          *trained_accuracy_table(doc), *_measured(doc)]) + "\n"
     return "\n".join([f"Accuracy against {doc['reference']}, {doc['preset']} preset: {len(doc['prompts'])} prompts "
                       f"(lengths {', '.join(map(str, doc['prompts']))}) each followed by {doc['decode_steps']} "
                       "teacher-forced decode steps (runtime/accuracy.py). Random weights: top-1 margins are tiny, so "
-                      "read KL and the logit errors first.", "", *accuracy_table(doc)]) + "\n"
+                      "read KL and the logit errors first.", "", *accuracy_table(doc), *_measured(doc)]) + "\n"
+
+
+def _measured(doc: dict) -> list[str]:
+    """Where `--engines` measured some rows again, which run made which rows; nothing where one run made them all."""
+    runs: dict[str, list[str]] = {}
+    for name, row in doc["results"].items():
+        runs.setdefault(row.get("measured", "an earlier run"), []).append(name)
+    if len(runs) < 2:
+        return []
+    return ["", "Rows from more than one run (`python -m benchmarks.accuracy --engines`): "
+            + "; ".join(f"{', '.join(names)}: {when}" for when, names in runs.items()) + "."]
 
 
 # The blocks of README.md and docs/*.md: each a function of the loaded result files.

@@ -162,3 +162,32 @@ def test_the_trained_table_says_what_was_measured():
     assert "| ort | 1.00e-09 | 2.00e-09 | 100.0% | 64.0 | 2 | none |" in md
     assert "| ort-int4 | 1.00e-02 | 2.00e-01 | 90.0% | 37.0 | 1 | prompt 1 step 10 |" in md
     assert "| llamacpp-f32 | unavailable: pip install failed |" in md
+
+
+def test_engines_reruns_some_rows_and_keeps_the_others(tmp_path):
+    """--engines measures the named engines and keeps every other row of the table there, saying which run made which;
+    a table of other prompts, an unknown engine or no table to keep from is refused."""
+    row = lambda kl: {"kl_mean": kl, "kl_max": kl, "top1": 1.0, "greedy_tokens": [64], "ties": []}
+    base = {"model": "smollm2", "reference": "transformers fp32", "decode_steps": 64, "tie": accuracy.TIE,
+            "prompts": [{"kind": "chat", "tokens": 20}]}
+    previous = tmp_path / "accuracy.json"
+    order = ("ort", "npu-w8a16", "genai-int4")
+    with pytest.raises(ValueError, match="does not exist, so there are no other rows to keep"):
+        bench._wanted(["npu-w8a16"], order, previous)
+    previous.write_text(json.dumps(dict(base, results={"ort": row(1e-9), "npu-w8a16": row(0.5),
+                                                       "genai-int4": row(0.3)})))
+    with pytest.raises(ValueError, match=r"unknown engine\(s\) \['npu'\]"):
+        bench._wanted(["npu"], order, previous)
+    assert bench._wanted(["npu-w8a16"], order, previous) == {"npu-w8a16"}
+    doc = bench._kept(dict(base, results={"npu-w8a16": row(0.01)}), previous, order)
+    assert list(doc["results"]) == list(order)
+    assert doc["results"]["npu-w8a16"]["kl_mean"] == 0.01 and doc["results"]["ort"] == row(1e-9)
+    md = accuracy_markdown(doc)
+    assert "| npu-w8a16 | 1.00e-02 |" in md and "| genai-int4 | 3.00e-01 |" in md
+    stamp = doc["results"]["npu-w8a16"]["measured"]
+    assert f"Rows from more than one run (`python -m benchmarks.accuracy --engines`): ort, genai-int4: an earlier " \
+           f"run; npu-w8a16: {stamp}." in md
+    full = bench._kept(dict(base, results={n: row(0.1) for n in order}), previous, order)  # a whole run: no note
+    assert "more than one run" not in accuracy_markdown(full)
+    with pytest.raises(ValueError, match="measured on other prompts"):
+        bench._kept(dict(base, prompts=[{"kind": "code", "tokens": 9}], results={"ort": row(0)}), previous, order)
