@@ -63,12 +63,13 @@ def main(argv=None) -> int:
 
 def measure_all(args) -> int:
     config, out = preset(args.preset), Path(args.out)
-    folders = prepare(config, "lm", out / ".work" / f"{args.preset}-lm", list(PEERS), quantized=True)
+    wanted = _wanted(args.engines, TARGETS + PEERS, out / "accuracy.json")
+    folders = prepare(config, "lm", out / ".work" / f"{args.preset}-lm", [p for p in PEERS if p in wanted],
+                      quantized=True)
     model = reference_model(build_model(config, "lm", seed=0))
     prompts = accuracy.prompt_set(config)
     refs = accuracy.references(model, prompts)
     rows = {}
-    wanted = _wanted(args.engines, TARGETS + PEERS, out / "accuracy.json")
     for target in (t for t in TARGETS if t in wanted):
         rows[target] = accuracy.measure(open_generator(folders["lm"], target, provider="cpu", threads=args.threads),
                                         prompts, refs)

@@ -191,3 +191,9 @@ def test_engines_reruns_some_rows_and_keeps_the_others(tmp_path):
     assert "more than one run" not in accuracy_markdown(full)
     with pytest.raises(ValueError, match="measured on other prompts"):
         bench._kept(dict(base, prompts=[{"kind": "code", "tokens": 9}], results={"ort": row(0)}), previous, order)
+
+
+def test_engines_without_a_table_is_refused_before_anything_is_exported(tmp_path, capsys):
+    assert bench.main(["--engines", "npu-w8a16", "--out", str(tmp_path)]) == 1
+    assert "does not exist, so there are no other rows to keep" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
