@@ -240,14 +240,14 @@ def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: 
     out = []
     for step in STEPS:
         float_graph = ir.external_data.load_to_model(ir.load(tmp / floats[step]["file"]))  # qdq() saves it elsewhere
-        qdq, feeds, floats_kept, blocks = quantize.qdq(float_graph, quantize.step_feeds(driver, inputs, kind, step))
+        qdq, feeds, floats_kept = quantize.qdq(float_graph, quantize.step_feeds(driver, inputs, kind, step))
         entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {feeds} calibration feeds, "
                                                     f"{len(floats_kept)} activation(s) kept float (wider than "
                                                     f"+-{quantize.WIDE_RANGE:g}, or made by {'/'.join(quantize.FLOAT_OPS)})",
                  "stats": {"quantize_linear": sum(n.op_type == "QuantizeLinear" for n in qdq.graph),
                            "float_activations": len(floats_kept)},
                  "not_matched": [], "float_activations": floats_kept}
-        report = {"passes": floats[step]["passes"] + [entry, blocks]}
+        report = {"passes": floats[step]["passes"] + [entry]}
         target = quantize.target(scheme)
         saved = _save(qdq, report, config, kind, step, target, tmp, store)
         progress.made(1, f"{saved['file']}: calibrated on {feeds} feeds, saved")

@@ -387,8 +387,7 @@ def readme(config: AttentionConfig, runtimes: dict, htp: dict, windows: list[int
 {folders}
 
 The quantized (QDQ) graphs hold QuantizeLinear/DequantizeLinear pairs around every op: weights int8 symmetric
-with a scale per block of 32 along each output channel (DequantizeLinear's blocked form, opset 21; QNN's HTP takes it
-from onnxruntime-qnn 2.4, multiplying such a weight in fp16), activations uint16 with ranges calibrated on activations recorded from real forward passes
+per output channel, activations uint16 with ranges calibrated on activations recorded from real forward passes
 (the calibration set and method are in each export's `manifest.json`). Their mask value is {QDQ_MASK}, not
 {MASK_VALUE}, so the 16-bit scores keep their resolution. They are judged against eager fp32 at their accuracy
 budget (`budget` in manifest.json), not at 1e-4; the measured accuracy is in `lm-fp32/manifest.json`.

@@ -8,8 +8,7 @@ inputs (QNN refuses a boolean attention mask: it wants an additive float one), n
 infinities. A quantized (QDQ) npu graph also keeps what QNN, OpenVINO and Vitis AI state for
 QDQ models: 16-bit activations at opset 21 (where 16-bit QuantizeLinear is standard; 17
 otherwise), MatMul/Gemm/Conv weights int8 with zero point 0 and positive scales behind a
-DequantizeLinear (symmetric weights; per channel, or a MatMul's in blocks along K of a multiple
-of 4, as QNN's HTP takes 8-bit blocks), every compute op between DequantizeLinear and
+DequantizeLinear (symmetric weights), every compute op between DequantizeLinear and
 QuantizeLinear (no float islands, which the HTP would run in fp16 or refuse), but for the
 activations the graph declares float (mixed precision: metadata FLOAT_ACTIVATIONS, a note), whose matmuls keep
 float weights (QNN refuses a per-channel DequantizeLinear outside a quantized group). `onnx` and
@@ -107,11 +106,6 @@ def qdq_weights(model, path):
         if scale is None or not (np.isfinite(scale).all() and (scale > 0).all()):
             found.append(Violation("qdq-weights", n.name, n.op_type, f"scale {dq.inputs[1].name}: expected finite and "
                                    "positive"))
-        block, axis = dq.attributes.get_int("block_size", 0), dq.attributes.get_int("axis", 1)
-        if block and (n.op_type != "MatMul" or axis not in (0, -2) or block % 4):
-            found.append(Violation("qdq-weights", n.name, n.op_type, f"weight {dq.inputs[0].name} is in blocks of "
-                                   f"{block} along axis {axis}; expected a MatMul weight in blocks along K (axis 0) of "
-                                   "a multiple of 4 (QNN's HTP, for 8-bit weights)"))
     return found
 
 

@@ -21,7 +21,6 @@ import numpy as np
 import onnxruntime as ort
 
 from runtime.metrics import Budget, error, logit_error, why_not
-from runtime.session import cpu_options
 
 from .fix_dims import dim_value
 
@@ -62,7 +61,7 @@ def random_feeds(session: ort.InferenceSession, seed: int = 0) -> dict:
 
 
 def _session(model_bytes_or_path) -> ort.InferenceSession:
-    options = cpu_options()
+    options = ort.SessionOptions()
     options.log_severity_level = 4  # failures surface as exceptions, not log lines
     try:
         return ort.InferenceSession(model_bytes_or_path, options, providers=["CPUExecutionProvider"])

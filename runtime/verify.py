@@ -27,7 +27,6 @@ from pathlib import Path
 from . import qnn
 from .cli import Parser, run
 from .metrics import Budget, error, logit_error, why_not, worst
-from .session import cpu_options
 
 import numpy as np
 import onnxruntime as ort
@@ -77,7 +76,7 @@ class HostCache:
 
 
 def _onnxruntime(path: Path):
-    options = cpu_options()
+    options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     return lambda feeds: dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
@@ -86,11 +85,8 @@ def _onnxruntime(path: Path):
 def _openvino(path: Path):
     import openvino as ov
     core = ov.Core()
-    # OpenVINO's CPU plugin computes in bf16 where the processor has it, unless asked for f32; and it quantizes the
-    # activations of a matmul with int8 weights to 8 bits on the fly, in groups, unless asked not to, where a QDQ graph
-    # gives them 16 (the tiny model's w8a16 prefill: logits 1.5e-2 from onnxruntime's with it, 1.5e-3 without).
-    compiled = core.compile_model(core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32",
-                                                                      "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
+    # OpenVINO's CPU plugin computes in bf16 where the processor has it, unless asked for f32.
+    compiled = core.compile_model(core.read_model(str(path)), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     request = compiled.create_infer_request()
 
     def run(feeds):
