@@ -82,8 +82,8 @@ def measure_all(args) -> int:
         rows[peer] = accuracy.measure(driver, prompts, refs)
         print(f"{peer:14s} {_line(rows[peer])}", flush=True)
     doc = _kept({"preset": args.preset, "reference": "eager PyTorch fp32, same weights",
-                 "prompts": next(iter(rows.values()))["prompts"], "decode_steps": accuracy.DECODE_STEPS, "results": rows},
-                out / "accuracy.json", TARGETS + PEERS)
+                 "prompts": [int(p.shape[1]) for p in prompts], "decode_steps": accuracy.DECODE_STEPS, "results": rows},
+                out / "accuracy.json", TARGETS + PEERS, wanted)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "accuracy.md").write_text(accuracy_markdown(doc))
@@ -96,7 +96,8 @@ def measure_trained(args) -> int:
     weights, out = ARTIFACTS / args.model, Path(args.out)
     engines = TRAINED_TARGETS + GENAI + LLAMACPP
     wanted = _wanted(args.engines, engines, out / args.model / "accuracy.json")
-    folders = prepare_folder(config, args.model, out / ".work" / args.model, [e for e in GENAI + LLAMACPP if e in wanted])
+    folders = prepare_folder(config, args.model, out / ".work" / args.model,
+                             [e for e in GENAI + LLAMACPP if e in wanted])
     prompts = trained_prompts(weights)
     step = build_model(config, "lm", weights=str(weights))
     print(f"transformers fp32: {len(prompts)} prompts, greedy {TRAINED_STEPS} tokens each", flush=True)
@@ -106,9 +107,10 @@ def measure_trained(args) -> int:
         rows[name] = accuracy.measure(driver, prompts, refs) if not isinstance(driver, str) else {"unavailable": driver}
         print(f"{name:14s} " + (f"unavailable: {driver}" if isinstance(driver, str) else _line(rows[name])), flush=True)
     doc = _kept({"model": args.model, "reference": "transformers fp32 (its own generate, greedy), same folder",
-                 "prompts": [{"kind": p["kind"], "tokens": int(ids.shape[1])} for p, ids in zip(_prompt_file(), prompts)],
+                 "prompts": [{"kind": p["kind"], "tokens": int(ids.shape[1])}
+                             for p, ids in zip(_prompt_file(), prompts)],
                  "decode_steps": TRAINED_STEPS, "tie": accuracy.TIE, "results": rows},
-                out / args.model / "accuracy.json", engines)
+                out / args.model / "accuracy.json", engines, wanted)
     target = out / args.model
     target.mkdir(parents=True, exist_ok=True)
     (target / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -141,12 +143,12 @@ def _wanted(engines: list[str] | None, known: tuple, previous: Path) -> set[str]
     return set(engines)
 
 
-def _kept(doc: dict, previous: Path, order: tuple) -> dict:
-    """`doc` with the rows of `previous` it did not measure, in `order`; each row's `measured`: this run or an earlier.
-    Refuses to mix tables of other prompts or another number of decode steps."""
+def _kept(doc: dict, previous: Path, order: tuple, wanted: set[str]) -> dict:
+    """`doc`, in `order`, and where only some engines were `wanted`, the rows of `previous` it did not measure; each
+    row's `measured`: this run or an earlier. Refuses to mix tables of other prompts or other decode steps."""
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = {name: dict(row, measured=stamp) for name, row in doc["results"].items()}
-    if previous.exists() and set(rows) != set(order):
+    if wanted != set(order):  # _wanted made sure `previous` exists
         old = json.loads(previous.read_text())
         if old["prompts"] != doc["prompts"] or old["decode_steps"] != doc["decode_steps"]:
             raise ValueError(f"{previous} was measured on other prompts or decode steps; expected the same table, "

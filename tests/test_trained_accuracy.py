@@ -179,7 +179,7 @@ def test_engines_reruns_some_rows_and_keeps_the_others(tmp_path):
     with pytest.raises(ValueError, match=r"unknown engine\(s\) \['npu'\]"):
         bench._wanted(["npu"], order, previous)
     assert bench._wanted(["npu-w8a16"], order, previous) == {"npu-w8a16"}
-    doc = bench._kept(dict(base, results={"npu-w8a16": row(0.01)}), previous, order)
+    doc = bench._kept(dict(base, results={"npu-w8a16": row(0.01)}), previous, order, {"npu-w8a16"})
     assert list(doc["results"]) == list(order)
     assert doc["results"]["npu-w8a16"]["kl_mean"] == 0.01 and doc["results"]["ort"] == row(1e-9)
     md = accuracy_markdown(doc)
@@ -187,10 +187,13 @@ def test_engines_reruns_some_rows_and_keeps_the_others(tmp_path):
     stamp = doc["results"]["npu-w8a16"]["measured"]
     assert f"Rows from more than one run (`python -m benchmarks.accuracy --engines`): ort, genai-int4: an earlier " \
            f"run; npu-w8a16: {stamp}." in md
-    full = bench._kept(dict(base, results={n: row(0.1) for n in order}), previous, order)  # a whole run: no note
+    full = bench._kept(dict(base, results={n: row(0.1) for n in order}), previous, order, set(order))  # no note
     assert "more than one run" not in accuracy_markdown(full)
+    # a whole run that could not measure an engine (genai not installed) does not carry that engine's old row
+    assert list(bench._kept(dict(base, results={"ort": row(0.1)}), previous, order, set(order))["results"]) == ["ort"]
     with pytest.raises(ValueError, match="measured on other prompts"):
-        bench._kept(dict(base, prompts=[{"kind": "code", "tokens": 9}], results={"ort": row(0)}), previous, order)
+        bench._kept(dict(base, prompts=[{"kind": "code", "tokens": 9}], results={"ort": row(0)}), previous, order,
+                    {"ort"})
 
 
 def test_engines_without_a_table_is_refused_before_anything_is_exported(tmp_path, capsys):
