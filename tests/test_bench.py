@@ -84,6 +84,25 @@ def test_a_trained_model_run_alone_reports_its_targets_only():
     assert not any("torch-sdpa" in line or "lm/" in line for line in lines)  # the preset's workloads did not run
 
 
+def test_a_trained_target_under_the_floor_shows_the_arithmetic():
+    """A target asking for a time under our floor says so; a peer measured under its own floor is flagged; a target
+    above the floor, or one whose peer respects its floor, gets neither note."""
+    from benchmarks.report import targets
+    doc = _doc(("ort-ort", "smollm2/decode@128", 16.0, {"floor_ms": 14.0}),
+               ("genai-fp32", "smollm2/decode@128", 14.5, {"floor_ms": 14.0}),
+               ("llamacpp-f32", "smollm2/decode@128", 13.0, {"floor_ms": 14.0}),
+               ("ort-ort-int4", "smollm2/decode@128", 5.5, {"floor_ms": 2.7}),
+               ("genai-int4", "smollm2/decode@128", 4.0, {"floor_ms": 2.4}))
+    doc["models"] = {"smollm2": {}}
+    lines = targets(doc)
+    assert "- ort-ort smollm2/decode@128 vs genai-fp32 (want >= 1.1x faster): 0.91x (missed); 1.1x faster than " \
+           "genai-fp32's 14.50 ms is 13.18 ms, under ort-ort's floor of 14.00 ms" in lines
+    assert "- ort-ort smollm2/decode@128 vs llamacpp-f32 (want >= 1.1x faster): 0.81x (missed); 1.1x faster than " \
+           "llamacpp-f32's 13.00 ms is 11.82 ms, under ort-ort's floor of 14.00 ms; llamacpp-f32 itself ran under " \
+           "its floor of 14.00 ms: this run's timing or its bandwidth figure is off" in lines
+    assert "- ort-ort-int4 smollm2/decode@128 vs genai-int4 (want >= 1.0x faster): 0.73x (missed)" in lines
+
+
 def test_a_scaled_shape_reports_the_targets_of_the_peers_it_runs_alone():
     """qwen3-0.6b runs genai, not llama.cpp: its llama.cpp targets are not its own, not 'not measured'."""
     from benchmarks.report import targets
