@@ -73,12 +73,12 @@ class StepSession:
     them the graph's own declared (static) inputs are the contract. `cache_in_place`
     says the graph may read past_* and write present_* in one shared buffer. `weights`: read
     the graph's external weights through that one mapping, shared with the other sessions
-    given it (runtime/shared_weights.py).
+    given it (runtime/shared_weights.py); `prepack`: pre-pack them for this session all the same.
     """
 
     def __init__(self, path: str | Path, inputs: list[dict] | None = None, outputs: list[dict] | None = None,
                  provider: str = "auto", threads: int = 0, opt_level: str = "all", cache_in_place: bool = False,
-                 profile: bool = False, weights: SharedWeights | None = None):
+                 profile: bool = False, weights: SharedWeights | None = None, prepack: bool = False):
         if opt_level not in OPT_LEVELS:
             raise ValueError(f"unknown graph optimisation level {opt_level!r}: expected one of {', '.join(OPT_LEVELS)}")
         options = ort.SessionOptions()
@@ -87,7 +87,7 @@ class StepSession:
         options.log_severity_level = 3
         options.enable_profiling = profile
         if weights is not None:
-            weights.share(options, path)
+            weights.share(options, path, prepack)
         self.weights = weights  # onnxruntime reads the mapping and does not keep it alive: the session does
         self.path = Path(path)
         self.cache_in_place = cache_in_place

@@ -188,16 +188,44 @@ def test_a_driver_let_go_is_freed_at_once(exported, target):
             gc.enable()
 
 
+def _prepacks(session) -> bool:
+    try:
+        return session.session.get_session_options().get_session_config_entry("session.disable_prepacking") != "1"
+    except RuntimeError:  # not set: onnxruntime's default, packing on
+        return True
+
+
 @pytest.mark.parametrize("threshold, shared", [(0, True), (1 << 40, False)])
 def test_a_ladder_over_a_large_weights_file_reads_one_mapping(exported, monkeypatch, threshold, shared):
     """Above SHARE_ABOVE bytes of weights every window's sessions read one SharedWeights (a copy each would be eight
-    copies of a 0.6B model), and the tokens are the same; below it each session keeps its own copy."""
+    copies of a 0.6B model), unpacked, and the tokens are the same; below it each session keeps its own copy."""
     import runtime.artifacts
     art = exported("lm", windows=LADDER)
     monkeypatch.setattr(runtime.artifacts, "SHARE_ABOVE", threshold)
-    gen = art.generator("ort")
+    gen = art.generator("onnx")
     res = token_parity(art.model(), gen, art.config, prompt_len=12, decode_steps=30, seed=7)
     assert within(res, "fp32"), res
     sessions = [s for w in LADDER for s in gen._sessions(w)]
     weights = {id(s.weights) for s in sessions}
     assert weights == ({id(sessions[0].weights)} if shared else {id(None)}) and (sessions[0].weights is not None) == shared
+    assert all(_prepacks(s) != shared for s in sessions)
+
+
+@pytest.mark.parametrize("threshold, windows", [(0, [LADDER[-1]]), (1 << 40, list(LADDER))])
+def test_gqa_over_a_large_weights_file_runs_one_window_its_decode_pre_packed(exported, monkeypatch, threshold, windows):
+    """GroupQueryAttention reads only the rows in use, so above SHARE_ABOVE the ort target runs over the capacity's
+    graphs alone: two sessions on one mapping, the decode step's pre-packed (a 0.6B decode step 1.2x faster), the
+    prefill's not. Below it the ladder stands. The onnx target (Attention reads every row of its window) keeps it."""
+    import runtime.artifacts
+    from runtime.artifacts import load_manifest, reads_live_rows_only
+    art = exported("lm", windows=LADDER)
+    monkeypatch.setattr(runtime.artifacts, "SHARE_ABOVE", threshold)
+    manifest = load_manifest(art.folder)
+    assert reads_live_rows_only(manifest, "ort") and not reads_live_rows_only(manifest, "onnx")
+    gen = art.generator("ort")
+    assert gen.windows == windows
+    res = token_parity(art.model(), gen, art.config, prompt_len=12, decode_steps=30, seed=7)
+    assert within(res, "fp32"), res
+    if threshold == 0:
+        prefill, decode = gen._sessions(LADDER[-1])
+        assert prefill.weights is decode.weights is not None and _prepacks(decode) and not _prepacks(prefill)
