@@ -8,11 +8,11 @@ from .drivers import Driver, Generator, HostCacheGenerator
 from .session import StepSession
 from .shared_weights import SharedWeights
 
-# Above this many bytes in the weights file, a ladder's sessions read one mapping of it (runtime/shared_weights.py)
-# rather than a pre-packed copy each: a 0.6B model's four windows would hold eight copies, 19 GB. Decode, which reads
-# every weight once a token, runs at the same speed either way once the weights are far past the caches (24 products of
-# 2048 x 2048 from one mapping: 32.4 ms a row, 31.9 ms pre-packed); a 128-row chunk ran 5% slower. Below it (SmolLM2-135M's
-# file is about 1 GB with every target) the copies fit, and the runtime keeps them.
+# Above this many bytes in the weights file, the sessions read one mapping of it (runtime/shared_weights.py) rather than
+# a pre-packed copy each: a 0.6B model's four windows would hold eight copies, 19 GB. Unpacked, a decode step runs
+# slower (qwen3-0.6b: 95-103 ms against 79), so a target whose attention reads only the rows in use (the ort target's
+# GroupQueryAttention) drops the ladder instead and pre-packs its one decode session. Below it (SmolLM2-135M's file is
+# about 1 GB with every target) the copies fit, and the runtime keeps them.
 SHARE_ABOVE = 2 << 30
 
 

@@ -5,11 +5,12 @@ decode session per window, so a 0.6B model (2.4 GB of fp32 weights) over four wi
 given a SharedWeights read the file through one read-only mapping instead (onnxruntime's shared initializers,
 SessionOptions.add_initializer), each tensor once, however many sessions hold it.
 
-The price is little: onnxruntime then neither pre-packs a float weight (a per-session copy in its GEMM layout: a
-one-row product whose weights sit in the caches ran 2x faster from it, but a decode step streams its weights from
-memory, and 24 products of 2048 x 2048 ran 32.4 ms a row from the mapping, 31.9 ms pre-packed; a 128-row chunk 5%
-slower) nor folds constant expressions (a tied lm_head's Transpose runs as its MatMul's transB instead). The export's
-checks run this way, and so does the runtime's ladder over more than a gigabyte of weights (runtime/artifacts.py). A graph with block-quantized products (MatMulNBits) keeps
+The price: onnxruntime then neither pre-packs a float weight (a per-session copy in its GEMM layout) nor folds constant
+expressions (a tied lm_head's Transpose runs as its MatMul's transB instead). Products alone hardly show it (24 of
+2048 x 2048 ran 32.4 ms a row from the mapping, 31.9 ms pre-packed; a 128-row chunk 5% slower), a whole decode step
+does: qwen3-0.6b's ran 95-103 ms unpacked, 79 ms pre-packed. So `share(prepack=True)` keeps pre-packing for the one
+session that steps a token at a time (runtime/artifacts.py). The export's checks run unpacked, and so do the ladders
+over more than SHARE_ABOVE bytes of weights. A graph with block-quantized products (MatMulNBits) keeps
 pre-packing: unpacked, onnxruntime dequantizes every block at every step (a 2048 x 8192 int4 product measured 115 ms
 against 0.8 ms packed, so an int4 export's checks took minutes), and what it packs is the 4-bit codes, about a sixth of
 the fp32 bytes.
