@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,9 +60,25 @@ class EagerReferences:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+# Under this many resident bytes there is nothing worth a full collection: once torch.export's objects are alive one
+# costs 0.25 s, and a tiny model's export (440 MiB resident, unchanged by it) spent 15 s of its 84 s in 57 of them.
+RELEASE_ABOVE = 1 << 30
+
+
+def resident_bytes() -> int | None:
+    """The process's resident set now (not its peak), or None where /proc does not tell."""
+    try:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def release_memory() -> None:
     """Hand freed memory back to the system: glibc keeps a freed model's pages in its heap, where they still count as
-    the process's (a no-op where there is no malloc_trim)."""
+    the process's (a no-op where there is no malloc_trim). Skipped while the process is small (RELEASE_ABOVE)."""
+    resident = resident_bytes()
+    if resident is not None and resident < RELEASE_ABOVE:
+        return
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

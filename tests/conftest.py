@@ -11,6 +11,14 @@ from models import AttentionConfig, build_model, preset
 from runtime import open_generator, open_step
 
 
+def prepacks(options) -> bool:
+    """Whether onnxruntime pre-packs weights under these SessionOptions (the key unset means its default: on)."""
+    try:
+        return options.get_session_config_entry("session.disable_prepacking") != "1"
+    except RuntimeError:
+        return True
+
+
 @dataclass
 class Artifact:
     folder: Path

@@ -14,6 +14,7 @@ from export import ParityError, export_model
 from passes.static_shapes import StaticShapeError, check_static
 from models import preset
 from models.contract import INPUTS, OUTPUTS
+from conftest import prepacks
 
 NPU_INPUTS = ("hidden_states", "position_ids", "attention_mask", "past_key", "past_value")
 NPU_OUTPUTS = ("output", "key", "value")
@@ -171,8 +172,19 @@ def test_shared_weights_keep_packing_only_for_block_quantized_products(tmp_path)
     def packing(path) -> bool:
         options = ort.SessionOptions()
         assert SharedWeights().share(options, path) > 0
-        try:
-            return options.get_session_config_entry("session.disable_prepacking") != "1"
-        except Exception:  # not set: onnxruntime's default, packing on
-            return True
+        return prepacks(options)
     assert not packing(graph) and packing(tmp_path / "q" / "decode.onnx")
+
+
+@pytest.mark.parametrize("threshold, collects", [(0, True), (1 << 50, False)])
+def test_memory_is_released_only_from_a_large_process(monkeypatch, threshold, collects):
+    """A full collection runs once the process holds RELEASE_ABOVE resident bytes (a 0.6B export's garbage), not in a
+    small one, where it frees nothing and costs 0.25 s a call."""
+    import gc
+    import export.eager
+    assert 10 << 20 < export.eager.resident_bytes() < 1 << 50
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(export.eager, "RELEASE_ABOVE", threshold)
+    export.eager.release_memory()
+    assert bool(calls) == collects

@@ -138,7 +138,7 @@ def _float_by_op(graph) -> list[str]:
 
 def _w8a16(weights: str, out: Path) -> dict:
     m = export_model(preset("tiny", tie_embeddings=False), out, kind="lm", weights=weights, quant=("w8a16",),
-                     log=lambda *_: None)
+                     targets=("npu",), log=lambda *_: None)
     steps = [g["parity"]["max_rel"] for g in m["graphs"] if g["target"] == "npu-w8a16"]
     a = m["lm"]["quantization"]["npu-w8a16"]["accuracy"]
     print(f"w8a16: steps max_rel {max(steps):.3f}, accuracy max_rel {a['max_rel']:.3f}, KL {a['kl_mean']:.2e}, "
@@ -215,7 +215,7 @@ def test_w8a16_keeps_the_widest_activations_float(tmp_path, monkeypatch):
     monkeypatch.setattr("export.quantize.WIDE_RANGE", float("inf"))
     with pytest.raises(AssertionError, match="npu-w8a16"):
         export_model(preset("tiny", tie_embeddings=False), tmp_path / "all-16-bit", kind="lm", weights=weights,
-                     quant=("w8a16",), log=lambda *_: None)
+                     quant=("w8a16",), targets=("npu",), log=lambda *_: None)
     assert not (tmp_path / "all-16-bit").exists()
 
 

@@ -12,6 +12,7 @@ import pytest
 from export.windows import WindowError, default, parse
 from models import preset
 from runtime.parity import sequence_parity, token_parity, within
+from conftest import prepacks
 
 ROOT = Path(__file__).resolve().parents[1]
 LADDER = (16, 32, 64)
@@ -189,10 +190,7 @@ def test_a_driver_let_go_is_freed_at_once(exported, target):
 
 
 def _prepacks(session) -> bool:
-    try:
-        return session.session.get_session_options().get_session_config_entry("session.disable_prepacking") != "1"
-    except RuntimeError:  # not set: onnxruntime's default, packing on
-        return True
+    return prepacks(session.session.get_session_options())
 
 
 @pytest.mark.parametrize("threshold, shared", [(0, True), (1 << 40, False)])
