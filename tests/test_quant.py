@@ -129,11 +129,20 @@ def _written_by_the_mlp(tmp_path: Path) -> str:
     return str(tmp_path / "by_mlp.pt")
 
 
+def _weights(graph) -> set[str]:
+    """The graph's constants and what DequantizeLinear makes of them: a matmul's weight, float or quantized."""
+    constants = {i.name for i in graph.initializer}
+    return constants | {o for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in constants
+                        for o in n.output}
+
+
 def _float_by_op(graph) -> list[str]:
-    """What w8a16 keeps float for its op (FLOAT_OPS), read from the graph: the attention probabilities (Softmax
-    outputs, and their Reshapes) and the norms' means of squares."""
+    """What w8a16 keeps float for its op, read from the graph: the attention probabilities (Softmax outputs, and their
+    Reshapes), the norms' means of squares (FLOAT_OPS), and the products of two activations (Q K^T, P V: a MatMul
+    with no weight, constant or dequantized from one)."""
     made = [o for n in graph.node if n.op_type in ("Softmax", "ReduceMean") for o in n.output]
-    return made + [o for n in graph.node if n.op_type == "Reshape" and n.input[0] in made for o in n.output]
+    products = [n.output[0] for n in graph.node if n.op_type == "MatMul" and not _weights(graph) & set(n.input)]
+    return made + [o for n in graph.node if n.op_type == "Reshape" and n.input[0] in made for o in n.output] + products
 
 
 def _w8a16(weights: str, out: Path) -> dict:
@@ -184,17 +193,18 @@ def test_w8a16_keeps_the_widest_activations_float(tmp_path, monkeypatch):
         del undeclared.metadata_props[:]  # planted: undeclared, they are float islands and their weights float ones
         onnx.save(undeclared, str(tmp_path / "out" / "undeclared.onnx"))
         assert {v.rule for v in lint(tmp_path / "out" / "undeclared.onnx", "npu")} == {"qdq-complete", "qdq-weights"}
-        # the residual stream, its norms' per-row scales and means of squares, the attention probabilities are float,
-        # no more: layer 0's up projection writes a float activation and its down projection reads one, with float
-        # weights; the attention reads float probabilities; every other matmul reads 16-bit activations and int8 weights
+        # the residual stream, its norms' per-row scales and means of squares, the attention's products and
+        # probabilities are float, no more: layer 0's up projection writes a float activation and its down projection
+        # reads one, with float weights; the attention's matmuls (no weight) write float; every other matmul reads
+        # 16-bit activations and int8 weights
         made_by = {o: n.op_type for n in graph.node for o in n.output}
         assert set(_float_by_op(graph)) <= floats
         matmuls = [n for n in graph.node if n.op_type == "MatMul"]
         beside = [n for n in matmuls if floats & {*n.input, *n.output}]
-        weighted = [n for n in beside if made_by.get(n.input[1]) in (None, "DequantizeLinear")
-                    and made_by.get(n.input[0]) != "Reshape"]
+        weighted = [n for n in beside if n.input[1] in _weights(graph)]
         assert len(weighted) == 2 and all(made_by.get(n.input[1]) is None for n in weighted)
-        assert all(n.input[0] in _float_by_op(graph) for n in beside if n not in weighted)
+        attention = [n for n in beside if n not in weighted]
+        assert len(attention) == 2 * 2 and all(n.output[0] in _float_by_op(graph) for n in attention)
         assert all(made_by.get(i) == "DequantizeLinear" for n in matmuls if n not in beside for i in n.input)
         assert len(floats) < len(quantized) / 4
         if qnn.available():
