@@ -141,7 +141,8 @@ def _float_by_op(graph) -> list[str]:
     Reshapes), the norms' means of squares (FLOAT_OPS), and the products of two activations (Q K^T, P V: a MatMul
     with no weight, constant or dequantized from one)."""
     made = [o for n in graph.node if n.op_type in ("Softmax", "ReduceMean") for o in n.output]
-    products = [n.output[0] for n in graph.node if n.op_type == "MatMul" and not _weights(graph) & set(n.input)]
+    weights = _weights(graph)
+    products = [n.output[0] for n in graph.node if n.op_type == "MatMul" and not weights & set(n.input)]
     return made + [o for n in graph.node if n.op_type == "Reshape" and n.input[0] in made for o in n.output] + products
 
 
