@@ -30,7 +30,7 @@ from passes.lower_npu import MASK_VALUE
 from runtime import qnn
 from runtime.drivers import host_mask
 from runtime.cli import Parser, run
-from runtime.metrics import error, worst
+from runtime.metrics import FP16_CAP, FP16_HEADROOM, error, fp16_tolerance, logit_error, worst
 from runtime.parity import TOLERANCE, reference_model
 from runtime import verify
 from runtime.text import chat_ids, has_tokenizer, load_tokenizer
@@ -88,11 +88,14 @@ def fp16_drift(config: AttentionConfig, kind: str, seed: int, weights: str | Non
     return worst([error(h.float().numpy(), f.numpy()) for h, f in zip(outs[1], outs[0])])["max_rel"]
 
 
-def golden(model, config: AttentionConfig, target: str, kind: str = "attention", seed: int = 0) -> dict[str, list]:
+def golden(model, config: AttentionConfig, target: str, kind: str = "attention", seed: int = 0,
+           half: torch.nn.Module | None = None) -> tuple[dict[str, list], dict[str, float | None]]:
     """Per step graph: [(inputs, eager outputs, rows written)] at golden_positions, all of one random sequence over
     the window (token ids for the lm, hidden states else). Each step reads the cache a host holds: eager's rows of
     the sequence before the golden's first step (or before a step past the rows written so far), then each step's
-    own rows. The lm's npu goldens store only those first rows: the verifier's host cache writes each step's."""
+    own rows. The lm's npu goldens store only those first rows: the verifier's host cache writes each step's.
+    `half`: the model in fp16, run on every golden too: per step graph, the worst max_rel it measures against eager
+    fp32 (what fp16 costs the model on those inputs: metrics.fp16_tolerance), else None."""
     reference, np_dtype = reference_model(model), "float16" if config.dtype == "fp16" else "float32"
     b, w, lm, npu = config.batch, config.capacity, kind == "lm", target.startswith("npu")
     x = _sequence(config, kind, seed)
@@ -104,9 +107,10 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     empty = [torch.zeros(b, config.num_kv_heads, w, config.head_dim) for _ in names[2:]]
     with torch.no_grad():
         rows = [_held(r, held_dtype) for r in reference(x, torch.arange(w).expand(b, w), *empty)[1:]]
-    steps = {}
+    steps, drift = {}, {}
     for step, at in golden_positions(config).items():
         steps[step], host, held = [], [e.clone() for e in empty], 0  # the host's cache and the rows it holds
+        drift[step] = None if half is None else 0.0
         for p0, n in at:
             if p0 > held:
                 for h, r in zip(host, rows):
@@ -115,6 +119,8 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
             pos = (p0 + torch.arange(n)).expand(b, n)
             with torch.no_grad():
                 out, *presents = reference(x[:, p0:p0 + n], pos, *cache)
+            if half is not None:
+                drift[step] = max(drift[step], _half_error(half, x[:, p0:p0 + n], pos, cache, out, presents, p0, lm))
             feeds = {names[0]: x[:, p0:p0 + n].numpy().astype(ids if lm else np_dtype), "position_ids": pos.numpy().astype(ids)}
             want = {outs[0]: out.numpy()}
             if npu:
@@ -130,7 +136,17 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
                 h[:, :, p0:p0 + n] = _held(p[:, :, p0:p0 + n], np_dtype)
             held = max(held, p0 + n)
             steps[step].append((feeds, want, p0 + n))
-    return steps
+    return steps, drift
+
+
+def _half_error(half, x, pos, cache, out, presents, p0: int, lm: bool) -> float:
+    """max_rel of the fp16 model's step (its output, and the cache rows it writes) against eager fp32's."""
+    n = x.shape[1]
+    with torch.no_grad():
+        got, *rows = half(x if lm else x.half(), pos, *[c.half() for c in cache])
+    errs = [(logit_error if lm else error)(got.float().numpy(), out.numpy())]
+    errs += [error(r[:, :, p0:p0 + n].float().numpy(), p[:, :, p0:p0 + n].numpy()) for r, p in zip(rows, presents)]
+    return worst(errs)["max_rel"]
 
 
 def _held(t: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -139,18 +155,22 @@ def _held(t: torch.Tensor, dtype: str) -> torch.Tensor:
 
 
 def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str, suffix: str, seed: int,
-             tmp: Path, exported: dict) -> list[dict]:
+             tmp: Path, exported: dict, half: torch.nn.Module | None) -> list[dict]:
     """The bundle entries (and golden files) of one target's two step graphs over `config.capacity` rows; `exported`:
-    the manifest they come from."""
+    the manifest they come from; `half`: golden's. An fp16 graph is held to what fp16 costs the model on its goldens
+    (fp16_tolerance of its eager_fp16_max_rel), as the export held it on its cases."""
     entries = []
-    for step, steps in golden(model, config, target, kind, seed).items():
+    goldens, drifts = golden(model, config, target, kind, seed, half)
+    for step, steps in goldens.items():
         name = f"{folder}/{step}.{target}{suffix}"
         save_golden(tmp / f"{name}.golden.npz", steps)
         entries.append({"file": f"{name}.onnx", "golden": f"{name}.golden.npz", "kind": kind, "dtype": config.dtype,
                         "target": target, "step": step, "window": config.capacity,
                         # max_rel only: a golden's few logit rows are no statistic for KL or top-1 (near-ties flip
                         # top-1), so it is held as quantize holds a step; the export held those on its prompt set
-                        "budget": {"max_rel": quantize.tolerance(target, TOLERANCE[config.dtype])}}
+                        "budget": {"max_rel": quantize.tolerance(target, fp16_tolerance(drifts[step])
+                                                                 if config.dtype == "fp16" else TOLERANCE[config.dtype])}}
+                       | ({"eager_fp16_max_rel": drifts[step]} if drifts[step] is not None else {})
                        | ({"quantized": quantize.describe(quantize.split(target)[1])
                                         | {"float_activations": _float_activations(exported, f"{step}.{target}{suffix}.onnx")}}
                           if quantize.split(target)[1] else {})
@@ -197,11 +217,16 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                                         targets=tuple(t for t, q in zip(targets, schemes) if not q),
                                         quant=tuple(q for q in schemes if q), weights=weights)
                 model = build_model(c, kind, seed, weights)
+                half = model if dtype == "fp16" else None  # an fp16 graph is held to what fp16 costs the model
                 for target in targets:
                     for w in sorted({g["window"] for g in exported["graphs"] if g["target"] == target}):
                         graphs += _goldens(model, c.replace(capacity=w), kind, target, folder, ladders.suffix(w, c), seed, tmp,
-                                           exported)
-                log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors")
+                                           exported, half)
+                del model, half
+                drifts = [g["eager_fp16_max_rel"] for g in graphs if g["kind"] == kind and g["dtype"] == dtype
+                          and "eager_fp16_max_rel" in g]
+                log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors" +
+                    (f"; eager PyTorch fp16 against fp32 on them: max_rel up to {max(drifts):.2e}" if drifts else ""))
             if socs:  # what the HTP, computing in fp16, is held to (runtime/verify.py budget)
                 drift = fp16_drift(config, kind, seed, weights)
                 for g in (g for g in graphs if g["kind"] == kind):
@@ -228,8 +253,8 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                                                                                       for s in socs},
                             "emulated": "compiled and run in host emulation of the HTP, not on a phone",
                             "precision": "float graphs in fp16 (enable_htp_fp16_precision=1), judged at 1e-2 or "
-                                         f"{qnn.FP16_HEADROOM:g}x what fp16 costs the model in eager PyTorch "
-                                         f"(fp16_drift; at most {qnn.FP16_CAP:g}), whichever is more; QDQ graphs "
+                                         f"{FP16_HEADROOM:g}x what fp16 costs the model in eager PyTorch "
+                                         f"(fp16_drift; at most {FP16_CAP:g}), whichever is more; QDQ graphs "
                                          "(npu-w8a16) as quantized, the activations they keep float (a trained "
                                          "model's residual stream) in fp16, "
                                          "judged at their accuracy budget (or that, if more)"}
@@ -410,8 +435,10 @@ and, optionally, openvino and onnxruntime-qnn). Every output is held to its grap
 manifest.json: max_rel, the normwise relative error max |a - e| / max |e|: fp32 1e-4, fp16 1e-2, the QDQ
 graphs' their scheme's; for logits also KL and top-1 where the budget has them); NaN or inf never passes. A
 graph that runs and misses its budget FAILs on any runtime. On QNN's HTP, which computes in fp16, a budget is at least
-{qnn.FP16_HEADROOM:g}x `fp16_drift`: what fp16 costs the model in eager PyTorch over the window, measured when the
-bundle was built (a deep trained model drifts by itself), up to {qnn.FP16_CAP:g}. "not accepted (as the manifest says)" is only for a
+{FP16_HEADROOM:g}x `fp16_drift`: what fp16 costs the model in eager PyTorch over the whole window, measured when
+the bundle was built (a deep trained model drifts by itself; PyTorch's fp16 model keeps norms and softmax in fp32,
+the HTP does not), up to {FP16_CAP:g}; an fp16 graph's `budget` is 1e-2 or {FP16_HEADROOM:g}x `eager_fp16_max_rel`
+(what fp16 costs the model on that graph's goldens), whichever is more, on every runtime. "not accepted (as the manifest says)" is only for a
 runtime that will not load a graph and names an op that `runtimes` in manifest.json records it refusing for the
 graph's target (e.g. OpenVINO and QNN's HTP have no `TensorScatter`, which the `onnx` graphs use).
 

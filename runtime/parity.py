@@ -6,7 +6,7 @@ graph is measured against the truth, not against another fp16 computation.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -37,13 +37,16 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
 class StepCase:
     """One step's inputs at positions p0..p0+T-1 and eager fp32's outputs for them (the caches' rows up to p0+T-1):
     computed once, then every target's graph of that step is held to it. `ref` holds cache rows from `kept` on: the
-    rows before it eager left as the inputs had them (a 0.6B model's full cache is 470 MB; a case keeps it once)."""
+    rows before it eager left as the inputs had them (a 0.6B model's full cache is 470 MB; a case keeps it once).
+    `drift`: for a model held in fp16, the max_rel of that model itself in eager PyTorch on the case (what fp16 costs
+    it here: metrics.fp16_tolerance); None for fp32."""
     kind: str
     p0: int
     seq_len: int
     args: tuple
     ref: tuple
     kept: int = 0
+    drift: float | None = None
 
     def expected_rows(self, i: int) -> torch.Tensor:
         """Eager's rows 0..p0+T-1 of the i-th cache."""
@@ -53,13 +56,15 @@ class StepCase:
 
 
 def step_case(reference: torch.nn.Module, config: AttentionConfig, seq_len: int, p0: int, seed: int = 0,
-              kind: str = "attention", prefix: Iterable[torch.Tensor] | Callable | None = None) -> StepCase:
+              kind: str = "attention", prefix: Iterable[torch.Tensor] | Callable | None = None,
+              own: torch.nn.Module | None = None) -> StepCase:
     """The case at p0 for `reference` (an fp32 eager model: reference_model). The cache rows before p0 hold what eager
     writes reading a random prefix (prefilled_inputs), as a cache only ever holds rows the model wrote: a trained
     model amplifies random rows far outside its range (SmolLM2-135M's deep layers: value rows off by 1e-4 between
     onnxruntime and torch on random rows, 2e-6 on real ones). `prefix`: prefix_caches() of at least p0 rows, shared
     by every case instead of a prefix forward each, or a function returning them (mapped from disk, one cache at a
-    time: then they are dropped before the step runs, not resident beside its inputs and outputs)."""
+    time: then they are dropped before the step runs, not resident beside its inputs and outputs). `own`: the graphs'
+    model where it is not fp32, run on the case too for its drift."""
     args = prefilled_inputs(reference, config, seq_len, p0, seed, kind, prefix() if callable(prefix) else prefix)
     with torch.no_grad():
         out, *presents = reference(*[a.float() if a.is_floating_point() else a for a in args])
@@ -67,14 +72,31 @@ def step_case(reference: torch.nn.Module, config: AttentionConfig, seq_len: int,
     # rows before p0 where eager left them as they were.
     live = p0 + seq_len
     kept = p0 if all(torch.equal(r[:, :, :p0], a[:, :, :p0].float()) for r, a in zip(presents, args[2:])) else 0
-    return StepCase(kind, p0, seq_len, args, (out, *(r[:, :, kept:live].clone() for r in presents)), kept)
+    case = StepCase(kind, p0, seq_len, args, (out, *(r[:, :, kept:live].clone() for r in presents)), kept)
+    dtype = _dtype(own)
+    if dtype is None or dtype == torch.float32:
+        return case
+    with torch.no_grad():
+        out, *presents = own(*[a.to(dtype) if a.is_floating_point() else a for a in args])
+    drift = worst(_case_errors(case, out.float().numpy(), [p.float().numpy() for p in presents]))["max_rel"]
+    return replace(case, drift=drift)
+
+
+def _dtype(model: torch.nn.Module | None) -> torch.dtype | None:
+    return next(model.parameters()).dtype if model is not None else None
+
+
+def _case_errors(case: StepCase, output: np.ndarray, caches: list[np.ndarray]) -> list[dict]:
+    """A step's output (the LM's logits: KL and top-1 beside the normwise error) and its caches' rows up to the last
+    written one against the case's eager outputs. Rows after it are unspecified by the contract, so not compared."""
+    live = case.p0 + case.seq_len
+    first = (logit_error if case.kind == "lm" else error)(output, case.ref[0].numpy())
+    return [first] + [error(c[:, :, :live], case.expected_rows(i).numpy()) for i, c in enumerate(caches)]
 
 
 def step_parity(case: StepCase, runner: StepSession | HostCacheGenerator, config: AttentionConfig) -> dict:
-    """`runner` on the case's inputs against its eager outputs: the output (the LM's logits: KL and top-1 beside the
-    normwise error) and the written cache rows. `runner` is a step-contract session, or the host-cache driver of an
-    `npu` graph (its caches set to the same rows). Rows after the last written one are unspecified by the contract,
-    so they are not compared."""
+    """`runner` on the case's inputs against its eager outputs (_case_errors). `runner` is a step-contract session, or
+    the host-cache driver of an `npu` graph (its caches set to the same rows)."""
     kind, p0, seq_len, args = case.kind, case.p0, case.seq_len, case.args
     names, outs = input_names(config, kind), output_names(config, kind)
     if isinstance(runner, HostCacheGenerator):
@@ -84,9 +106,7 @@ def step_parity(case: StepCase, runner: StepSession | HostCacheGenerator, config
         got = {outs[0]: out} | {"present_" + n.removeprefix("past_"): runner.caches[n] for n in names[2:]}
     else:
         got = runner.run({name: a.numpy() for name, a in zip(names, args)})
-    live = p0 + seq_len
-    errs = {outs[0]: (logit_error if kind == "lm" else error)(got[outs[0]], case.ref[0].numpy())}
-    errs |= {n: error(got[n][:, :, :live], case.expected_rows(i).numpy()) for i, n in enumerate(outs[1:])}
+    errs = dict(zip(outs, _case_errors(case, got[outs[0]], [got[n] for n in outs[1:]])))
     return {"p0": p0, **worst(list(errs.values())), "per_output": errs}
 
 
@@ -123,28 +143,37 @@ def prefix_caches(reference: torch.nn.Module, config: AttentionConfig, rows: int
 class SequenceReference:
     """Eager fp32's side of a sequence check, computed once and held against every target's driver: the inputs (hidden
     states [B, P+N, E], or the prompt's token ids [B, P] and eager's greedy tokens [B, N+1] for the whole model) and
-    the outputs they gave."""
+    the outputs they gave; `drift`, for a model held in fp16, the max_rel of its own eager forward in fp16 on them."""
     kind: str
     prompt_len: int
     decode_steps: int
     inputs: np.ndarray
     ref: np.ndarray
     tokens: np.ndarray | None = None
+    drift: float | None = None
 
 
 def sequence_reference(model, config: AttentionConfig, prompt_len: int, decode_steps: int, seed: int = 0,
                        kind: str = "attention") -> SequenceReference:
     """A random sequence (`kind` lm: a random prompt and eager's greedy continuation) and eager's full-sequence forward
-    of it, without a cache."""
+    of it, without a cache; a model not in fp32 also runs it in its own dtype, for its drift."""
     gen = torch.Generator().manual_seed(seed)
     if kind == "lm":
         prompt = torch.randint(0, config.vocab_size, (config.batch, prompt_len), generator=gen)
         tokens, ref = greedy(reference_model(model), prompt, decode_steps + 1, config)
-        return SequenceReference(kind, prompt_len, decode_steps, prompt.numpy(), ref.numpy(), tokens.numpy())
-    x = torch.randn(config.batch, prompt_len + decode_steps, config.hidden_size, generator=gen).to(config.torch_dtype)
+        reference = SequenceReference(kind, prompt_len, decode_steps, prompt.numpy(), ref.numpy(), tokens.numpy())
+        own = lambda: model.forward_full(torch.cat([prompt, tokens[:, :-1]], dim=1), keep=decode_steps + 1)  # noqa: E731
+    else:
+        x = torch.randn(config.batch, prompt_len + decode_steps, config.hidden_size, generator=gen).to(config.torch_dtype)
+        with torch.no_grad():
+            ref = reference_model(model).forward_full(x.float()).numpy()
+        reference = SequenceReference(kind, prompt_len, decode_steps, x.numpy(), ref)
+        own = lambda: model.forward_full(x)  # noqa: E731
+    if _dtype(model) == torch.float32:
+        return reference
     with torch.no_grad():
-        ref = reference_model(model).forward_full(x.float()).numpy()
-    return SequenceReference(kind, prompt_len, decode_steps, x.numpy(), ref)
+        got = own().float().numpy()
+    return replace(reference, drift=(logit_error if kind == "lm" else error)(got, reference.ref)["max_rel"])
 
 
 def compare_sequence(reference: SequenceReference, driver: Driver) -> dict:

@@ -33,13 +33,11 @@ SOC_NAMES = {36: "SM8450 (Snapdragon 8 Gen 1, HTP v69)", 43: "SM8550 (Snapdragon
              87: "SM8850 (Snapdragon 8 Elite Gen 5, HTP v81)"}
 SOCS = (43, 57, 69)
 TOLERANCE = 1e-2  # what the HTP runs in: fp16
-# A deep trained model in fp16 drifts from fp32 by itself (SmolLM2-135M, eager PyTorch fp16 over 2048 rows: max_rel
-# 1.0e-2, key.29 on the last 128 rows 1.1e-2), and the HTP rounds every intermediate to fp16 where PyTorch's CPU half
-# kernels accumulate in fp32 (measured there on its fp16 graph: key.29 2.4e-2 at the prefill golden over 1920 rows, the
-# fp32 graph 1.7e-2): a float graph on the HTP is held to this times the model's own fp16 drift, where that passes
-# TOLERANCE. Never past FP16_CAP: a model that drifts more in fp16 is not one the HTP can run as float, and a budget
-# that follows it would pass a graph computing nothing right.
-FP16_HEADROOM, FP16_CAP = 3.0, 0.05
+# The HTP rounds every intermediate to fp16 where PyTorch's fp16 model keeps norms and softmax in fp32 and its CPU half
+# kernels accumulate in fp32 (SmolLM2's decode goldens: eager fp16 3.4e-3 against fp32, its fp32 graph on the HTP
+# 1.6e-2, its fp16 graph 1.9e-2): so a float graph on the HTP is held to runtime.metrics.fp16_tolerance of what fp16
+# costs the model over the whole window (the bundle's fp16_drift: 1.0e-2 for SmolLM2 over 2048 rows), not on the
+# graph's own few goldens, which understate what the HTP's fp16 loses.
 FALLBACK = "fallback to CPU EP has been explicitly disabled"  # onnxruntime's words for nodes the HTP did not take
 PARTITION_EDGE = "QNN EP is configured to not take"  # its reason for a quantize node at a partition's edge
 _registered = []

@@ -6,8 +6,8 @@ OpenVINO on its CPU device; and where `onnxruntime-qnn` is installed, on Qualcom
 in host emulation for each SoC the bundle was compiled for (`qnn-htp-57`, ...): through the
 bundle's compiled EPContext model for that SoC where it has one, else compiled from the graph,
 either way with no CPU fallback. The HTP runs float graphs in fp16, so they are judged at the
-fp16 tolerance there, or at qnn.FP16_HEADROOM times the model's own fp16 drift in eager PyTorch (the
-bundle's fp16_drift; at most qnn.FP16_CAP) where that is more; quantized (QDQ) graphs run as quantized, everywhere judged at the accuracy
+fp16 tolerance there, or at metrics.FP16_HEADROOM times the model's own fp16 drift in eager PyTorch (the
+bundle's fp16_drift; at most metrics.FP16_CAP) where that is more (metrics.fp16_tolerance); quantized (QDQ) graphs run as quantized, everywhere judged at the accuracy
 budget the bundle records for them. Each output is compared with the eager-PyTorch output stored
 beside the inputs (present_* only on the rows written so far, as the step contract says) by
 runtime/metrics.py's rule, at the graph's budget (for logits also its KL and top-1 bounds where it
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import qnn
 from .cli import Parser, run
-from .metrics import Budget, error, logit_error, why_not, worst
+from .metrics import Budget, error, fp16_tolerance, logit_error, why_not, worst
 
 import numpy as np
 import onnxruntime as ort
@@ -115,12 +115,11 @@ def _runner(bundle: Path, graph: dict, runtime: str):
 
 def budget(graph: dict, runtime: str) -> Budget:
     """The graph's; on the HTP, which runs float graphs in fp16, its max_rel at least the fp16 tolerance and
-    qnn.FP16_HEADROOM times what fp16 costs the model in eager PyTorch (the bundle's fp16_drift), up to qnn.FP16_CAP."""
+    what fp16 costs the model in eager PyTorch allows (fp16_tolerance of the bundle's fp16_drift)."""
     b = Budget(**graph["budget"])
     if not runtime.startswith(QNN):
         return b
-    drift = min(qnn.FP16_HEADROOM * graph.get("fp16_drift", 0.0), qnn.FP16_CAP)
-    return replace(b, max_rel=max(b.max_rel, qnn.TOLERANCE, drift))
+    return replace(b, max_rel=max(b.max_rel, fp16_tolerance(graph.get("fp16_drift"))))
 
 
 def verify_graph(bundle: Path, graph: dict, runtime: str) -> dict:

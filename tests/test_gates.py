@@ -6,6 +6,8 @@ which planted fault; its assertion names the measure that trips (max_rel, non-fi
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx_ir as ir
 import pytest
@@ -109,8 +111,8 @@ def _replace_output(graph: ir.Graph, i: int, op: str, operand: np.ndarray) -> No
 
 
 def zero_output(model: ir.Model) -> None:
-    """The output (hidden states or logits) times 0."""
-    _replace_output(model.graph, 0, "Mul", np.zeros((), np.float32))
+    """The output (hidden states or logits) times 0, in the output's own dtype (an fp16 graph's too)."""
+    _replace_output(model.graph, 0, "Mul", np.zeros((), model.graph.outputs[0].dtype.numpy()))
 
 
 def nan_output(model: ir.Model) -> None:
@@ -200,6 +202,24 @@ def test_export_sequence_parity_refuses_a_stale_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(exporter, "_driver", stale)
     with pytest.raises(ParityError, match="raw: sequence parity .* against fp32 eager PyTorch: max_rel"):
         exporter.export_model(preset("tiny"), tmp_path / "out", targets=("raw",), log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fp16_parity_follows_what_fp16_costs_the_model_and_refuses_zeros(tmp_path, monkeypatch):
+    """An fp16 step is held to 1e-2, or 3x the model's own eager fp16 error on the same inputs where that is more (a
+    deep trained model drifts by itself), never past 0.05: planted, every case claims a drift of 0.5, and a graph of
+    zeros must still be refused at the cap."""
+    fp16 = preset("tiny").replace(dtype="fp16")
+    assert exporter._budget(fp16, "npu").max_rel == 1e-2 and exporter._budget(fp16, "npu", 1e-3).max_rel == 1e-2
+    assert exporter._budget(fp16, "npu", 1e-2).max_rel == pytest.approx(3e-2)
+    assert exporter._budget(fp16, "npu", 0.5).max_rel == 0.05
+    assert exporter._budget(preset("tiny"), "npu", 0.5).max_rel == 1e-4  # fp32 never follows a drift
+    assert exporter._budget(fp16, "ort-int4", 0.5) == step_budget(SCHEMES["int4"].budget)
+    real = exporter.step_case
+    monkeypatch.setattr(exporter, "step_case", lambda *a, **k: replace(real(*a, **k), drift=0.5))
+    _plant_in_export(monkeypatch, zero_output, "npu")
+    with pytest.raises(ParityError, match="prefill.npu.onnx: step parity against fp32 eager PyTorch: max_rel 1 > 0.05"):
+        exporter.export_model(fp16, tmp_path / "out", targets=("npu",), log=lambda *_: None)
     assert not (tmp_path / "out").exists()
 
 
