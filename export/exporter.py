@@ -25,7 +25,7 @@ from passes.static_shapes import check_static
 from runtime.artifacts import open_generator
 from runtime.drivers import HostCacheGenerator, mask_inputs
 from runtime import accuracy
-from runtime.metrics import Budget, fp16_tolerance, why_not
+from runtime.metrics import Budget, dtype_tolerance, why_not
 from runtime.parity import (TOLERANCE, SequenceReference, StepCase, compare_sequence, prefix_caches, reference_model,
                             sequence_reference, step_case, step_parity, worst)
 from runtime.session import StepSession
@@ -308,10 +308,11 @@ def _check_graph(saved: dict, cases: Iterable[StepCase], config: AttentionConfig
     # The caches hold eager's rows for a real prefix (runtime/parity.step_case): a quantized graph's ranges were
     # calibrated on real rows too (tiny w8a16 decode measured 0.42 on random rows, 0.09 on prefilled ones).
     # An fp16 model is held, case by case, to what fp16 costs it there in eager PyTorch (metrics.fp16_tolerance).
-    results = [step_parity(case, runner, config) | {"tolerance": _budget(config, target, case.drift).max_rel,
-                                                    "eager_fp16_max_rel": case.drift} for case in cases]
-    for r in results:
-        _check(r, _budget(config, target, r["eager_fp16_max_rel"]), f"{path.name}: step parity")
+    results = []
+    for case in cases:
+        held = _budget(config, target, case.drift)
+        results.append(step_parity(case, runner, config) | {"tolerance": held.max_rel, "eager_fp16_max_rel": case.drift})
+        _check(results[-1], held, f"{path.name}: step parity")
     err = worst(results)
     parity = {"reference": "eager PyTorch, fp32", "tolerance": max(r["tolerance"] for r in results), **err,
               "caches": "rows before p0 eager's own, from a random prefix",
@@ -396,8 +397,7 @@ def _driver(config: AttentionConfig, graphs: list[dict], target: str, tmp: Path,
 def _budget(config: AttentionConfig, target: str, drift: float | None = None) -> Budget:
     """What a step or a sequence of `target` is held to: the dtype's tolerance (fp16's following `drift`, what fp16
     costs the model in eager PyTorch on the same inputs), or its scheme's step budget."""
-    tolerance = fp16_tolerance(drift) if config.dtype == "fp16" else TOLERANCE[config.dtype]
-    return quantize.step_budget(quantize.budget(target, tolerance))
+    return quantize.step_budget(quantize.budget(target, dtype_tolerance(config.dtype, drift)))
 
 
 def _check(err: dict, budget: Budget, what: str, error: type[ParityError] = ParityError) -> None:

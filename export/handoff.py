@@ -30,8 +30,8 @@ from passes.lower_npu import MASK_VALUE
 from runtime import qnn
 from runtime.drivers import host_mask
 from runtime.cli import Parser, run
-from runtime.metrics import FP16_CAP, FP16_HEADROOM, error, fp16_tolerance, logit_error, worst
-from runtime.parity import TOLERANCE, reference_model
+from runtime.metrics import FP16_CAP, FP16_HEADROOM, dtype_tolerance, error, logit_error, worst
+from runtime.parity import reference_model
 from runtime import verify
 from runtime.text import chat_ids, has_tokenizer, load_tokenizer
 from runtime.verify import FORMAT, available_runtimes, named, verify_graph
@@ -168,8 +168,7 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
                         "target": target, "step": step, "window": config.capacity,
                         # max_rel only: a golden's few logit rows are no statistic for KL or top-1 (near-ties flip
                         # top-1), so it is held as quantize holds a step; the export held those on its prompt set
-                        "budget": {"max_rel": quantize.tolerance(target, fp16_tolerance(drifts[step])
-                                                                 if config.dtype == "fp16" else TOLERANCE[config.dtype])}}
+                        "budget": {"max_rel": quantize.tolerance(target, dtype_tolerance(config.dtype, drifts[step]))}}
                        | ({"eager_fp16_max_rel": drifts[step]} if drifts[step] is not None else {})
                        | ({"quantized": quantize.describe(quantize.split(target)[1])
                                         | {"float_activations": _float_activations(exported, f"{step}.{target}{suffix}.onnx")}}

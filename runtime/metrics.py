@@ -112,6 +112,12 @@ def fp16_tolerance(drift: float | None) -> float:
     return max(TOLERANCE["fp16"], min(FP16_HEADROOM * (drift or 0.0), FP16_CAP))
 
 
+def dtype_tolerance(dtype: str, drift: float | None = None) -> float:
+    """What a graph computing in `dtype` is held to against eager fp32: fp32's fixed tolerance, fp16's following the
+    model's own eager fp16 `drift` on the same inputs (fp16_tolerance)."""
+    return fp16_tolerance(drift) if dtype == "fp16" else TOLERANCE[dtype]
+
+
 def why_not(err: dict, tolerance: float | Budget) -> str | None:
     """None if `err` is within `tolerance`, else which measure missed, in a few words."""
     b = budget(tolerance)
