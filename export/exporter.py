@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -19,13 +20,14 @@ from models.checkpoint import folder_extras
 from models.contract import STEPS, io_specs, npu_io_specs, step_len
 from passes.leftovers import FUSED_OPS, unfused_attention
 from passes.lint import lint
+from passes.mixed_precision import float_share
 from passes.model_io import save
 from passes.pipeline import TARGETS, run_pipelines
 from passes.static_shapes import check_static
 from runtime.artifacts import open_generator
 from runtime.drivers import HostCacheGenerator, mask_inputs
 from runtime import accuracy
-from runtime.metrics import Budget, dtype_tolerance, why_not
+from runtime.metrics import Budget, dtype_tolerance, per_output, why_not
 from runtime.parity import (TOLERANCE, SequenceReference, StepCase, compare_sequence, prefix_caches, reference_model,
                             sequence_reference, step_case, step_parity, worst)
 from runtime.session import StepSession
@@ -241,12 +243,14 @@ def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: 
     for step in STEPS:
         float_graph = ir.external_data.load_to_model(ir.load(tmp / floats[step]["file"]))  # qdq() saves it elsewhere
         qdq, feeds, floats_kept = quantize.qdq(float_graph, quantize.step_feeds(driver, inputs, kind, step))
+        rules, share = Counter(r["rule"] for r in floats_kept.values()), float_share(qdq)
         entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {feeds} calibration feeds, "
-                                                    f"{len(floats_kept)} activation(s) kept float (wider than "
-                                                    f"+-{quantize.WIDE_RANGE:g}, or made by {'/'.join(quantize.FLOAT_OPS)})",
+                                                    f"{len(floats_kept)} activation(s) kept float ("
+                                                    + (", ".join(f"{n} {r}" for r, n in sorted(rules.items())) or "none")
+                                                    + f"), {share['float_weights']:.1%} of matmul weights float",
                  "stats": {"quantize_linear": sum(n.op_type == "QuantizeLinear" for n in qdq.graph),
-                           "float_activations": len(floats_kept)},
-                 "not_matched": [], "float_activations": floats_kept}
+                           "float_activations": len(floats_kept)} | {f"float_{r}": n for r, n in rules.items()},
+                 "not_matched": [], "float_activations": list(floats_kept), "float_share": share}
         report = {"passes": floats[step]["passes"] + [entry]}
         target = quantize.target(scheme)
         saved = _save(qdq, report, config, kind, step, target, tmp, store)
@@ -282,7 +286,7 @@ def _save(graph: ir.Model, report: dict, config: AttentionConfig, kind: str, ste
     if base != "ort":  # onnxruntime's contrib ops are not in ONNX's schema registry; ORT loads them below
         onnx.checker.check_model(str(path), full_check=True)
     check_static(path, strict=base != "ort")
-    if base == "npu" and (violations := lint(path, "npu")):
+    if base == "npu" and (violations := lint(path, quantize.lint_profile(target))):
         rules = ", ".join(f"{r} ({n})" for r, n in Counter(v.rule for v in violations).items())
         first = {v.rule: v for v in reversed(violations)}
         raise LintError(f"{path.name}: {len(violations)} npu lint violation(s): {rules}; e.g. "
@@ -307,19 +311,37 @@ def _check_graph(saved: dict, cases: Iterable[StepCase], config: AttentionConfig
     runner = HostCacheGenerator(session, session, saved["host_cache"]["mask_value"]) if "host_cache" in saved else session
     # The caches hold eager's rows for a real prefix (runtime/parity.step_case): a quantized graph's ranges were
     # calibrated on real rows too (tiny w8a16 decode measured 0.42 on random rows, 0.09 on prefilled ones).
-    # An fp16 model is held, case by case, to what fp16 costs it there in eager PyTorch (metrics.fp16_tolerance).
+    # An fp16 model is held, case by case and output by output, to what fp16 costs it there in eager PyTorch
+    # (metrics.fp16_tolerance), and its logits to eager's argmax where eager decides it (metrics.decided_rows).
     results = []
     for case in cases:
-        held = _budget(config, target, case.drift)
-        results.append(step_parity(case, runner, config) | {"tolerance": held.max_rel, "eager_fp16_max_rel": case.drift})
-        _check(results[-1], held, f"{path.name}: step parity")
+        measured = step_parity(case, runner, config)
+        outputs = list(measured["per_output"])
+        drifts = case.drift or (None,) * len(outputs)
+        held = {name: _budget(config, target, d, case.decided is not None and i == 0)
+                for i, (name, d) in enumerate(zip(outputs, drifts))}
+        results.append(measured | {"tolerance": max(b.max_rel for b in held.values()), "held": held,
+                                   "eager_fp16_max_rel": case.drift})
+        if missed := per_output(measured["per_output"], held):
+            name, why = missed
+            raise ParityError(f"{path.name}: step parity against fp32 eager PyTorch: {why} ({name}, p0={case.p0}); "
+                              f"expected {quantize.spell(held[name])}")
     err = worst(results)
     parity = {"reference": "eager PyTorch, fp32", "tolerance": max(r["tolerance"] for r in results), **err,
               "caches": "rows before p0 eager's own, from a random prefix",
-              "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel", "tolerance")}
-                        | ({"eager_fp16_max_rel": c["eager_fp16_max_rel"]} if c["eager_fp16_max_rel"] is not None else {})
+              "cases": [{k: c[k] for k in ("p0", "max_abs", "max_rel", "tolerance")} | _per_output(c)
                         for c in results]}
     return {**{k: v for k, v in saved.items() if k != "passes"}, "parity": parity, "passes": saved["passes"]}
+
+
+def _per_output(case: dict) -> dict:
+    """An fp16 case's per-output record for the manifest: each output's max_rel, budget and eager fp16 max_rel."""
+    if case["eager_fp16_max_rel"] is None:
+        return {}
+    return {"eager_fp16_max_rel": max(case["eager_fp16_max_rel"]),
+            "outputs": {name: {"max_rel": err["max_rel"], "tolerance": case["held"][name].max_rel,
+                               "eager_fp16_max_rel": drift} | ({"swapped": err["swapped"]} if "swapped" in err else {})
+                        for (name, err), drift in zip(case["per_output"].items(), case["eager_fp16_max_rel"])}}
 
 
 def _lm_extras(weights: str | None, tmp: Path) -> dict:
@@ -382,7 +404,7 @@ def _sequence_parity(references: dict, config: AttentionConfig, graphs: list[dic
     driver = _driver(config, graphs, target, tmp, weights=shared)
     reference = references[tuple(driver.windows)]
     seq = compare_sequence(reference, driver)
-    held = _budget(config, target, reference.drift)
+    held = _budget(config, target, reference.drift, reference.decided is not None)
     _check(seq, held, f"{target}: sequence parity (against the full-sequence forward)")
     return {**seq, "windows": driver.windows, "tolerance": held.max_rel,
             **({"eager_fp16_max_rel": reference.drift} if reference.drift is not None else {})}
@@ -394,10 +416,12 @@ def _driver(config: AttentionConfig, graphs: list[dict], target: str, tmp: Path,
                           **session_options)
 
 
-def _budget(config: AttentionConfig, target: str, drift: float | None = None) -> Budget:
-    """What a step or a sequence of `target` is held to: the dtype's tolerance (fp16's following `drift`, what fp16
-    costs the model in eager PyTorch on the same inputs), or its scheme's step budget."""
-    return quantize.step_budget(quantize.budget(target, dtype_tolerance(config.dtype, drift)))
+def _budget(config: AttentionConfig, target: str, drift: float | None = None, logits: bool = False) -> Budget:
+    """What an output of a step or a sequence of `target` is held to: the dtype's tolerance (fp16's following `drift`,
+    what fp16 costs the model on that output in eager PyTorch on the same inputs), or its scheme's step budget; a float
+    target's `logits` (measured in fp16: decided rows known) also to eager's argmax on the rows eager decides."""
+    held = quantize.step_budget(quantize.budget(target, dtype_tolerance(config.dtype, drift)))
+    return replace(held, decided=logits and not quantize.split(target)[1])
 
 
 def _check(err: dict, budget: Budget, what: str, error: type[ParityError] = ParityError) -> None:

@@ -30,7 +30,7 @@ from passes.lower_npu import MASK_VALUE
 from runtime import qnn
 from runtime.drivers import host_mask
 from runtime.cli import Parser, run
-from runtime.metrics import FP16_CAP, FP16_HEADROOM, dtype_tolerance, error, logit_error, worst
+from runtime.metrics import FP16_CAP, FP16_HEADROOM, decided_rows, dtype_tolerance, error, logit_error
 from runtime.parity import reference_model
 from runtime import verify
 from runtime.text import chat_ids, has_tokenizer, load_tokenizer
@@ -72,9 +72,10 @@ def _sequence(config: AttentionConfig, kind: str, seed: int) -> torch.Tensor:
     return torch.randn(b, w, config.hidden_size, generator=gen).to(config.torch_dtype).float()
 
 
-def fp16_drift(config: AttentionConfig, kind: str, seed: int, weights: str | None) -> float:
+def fp16_drift(config: AttentionConfig, kind: str, seed: int, weights: str | None) -> dict[str, float]:
     """What fp16 costs the model in eager PyTorch: the goldens' sequence over the window in one forward with the model
-    in fp16 against one in fp32, the worst max_rel over its outputs (logits or hidden states, and the caches)."""
+    in fp16 against one in fp32, max_rel per output (logits or hidden states, and each cache), by the step contract's
+    output names."""
     x, w = _sequence(config, kind, seed), config.capacity
     outs = []
     for dtype in ("fp32", "fp16"):
@@ -85,7 +86,8 @@ def fp16_drift(config: AttentionConfig, kind: str, seed: int, weights: str | Non
         with torch.no_grad():
             outs.append(model(x if kind == "lm" else x.to(c.torch_dtype), torch.arange(w).expand(c.batch, w), *empty))
         del model
-    return worst([error(h.float().numpy(), f.numpy()) for h, f in zip(outs[1], outs[0])])["max_rel"]
+    return {name: error(h.float().numpy(), f.numpy())["max_rel"]
+            for name, h, f in zip(output_names(config, kind), outs[1], outs[0])}
 
 
 def golden(model, config: AttentionConfig, target: str, kind: str = "attention", seed: int = 0,
@@ -94,8 +96,8 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     the window (token ids for the lm, hidden states else). Each step reads the cache a host holds: eager's rows of
     the sequence before the golden's first step (or before a step past the rows written so far), then each step's
     own rows. The lm's npu goldens store only those first rows: the verifier's host cache writes each step's.
-    `half`: the model in fp16, run on every golden too: per step graph, the worst max_rel it measures against eager
-    fp32 (what fp16 costs the model on those inputs: metrics.fp16_tolerance), else None."""
+    `half`: the model in fp16, run on every golden too: per step graph, {output: the worst max_rel it measures against
+    eager fp32 there} (what fp16 costs the model on those inputs: metrics.fp16_tolerance), else None."""
     reference, np_dtype = reference_model(model), "float16" if config.dtype == "fp16" else "float32"
     b, w, lm, npu = config.batch, config.capacity, kind == "lm", target.startswith("npu")
     x = _sequence(config, kind, seed)
@@ -110,7 +112,7 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     steps, drift = {}, {}
     for step, at in golden_positions(config).items():
         steps[step], host, held = [], [e.clone() for e in empty], 0  # the host's cache and the rows it holds
-        drift[step] = None if half is None else 0.0
+        drift[step] = None if half is None else {}
         for p0, n in at:
             if p0 > held:
                 for h, r in zip(host, rows):
@@ -119,8 +121,6 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
             pos = (p0 + torch.arange(n)).expand(b, n)
             with torch.no_grad():
                 out, *presents = reference(x[:, p0:p0 + n], pos, *cache)
-            if half is not None:
-                drift[step] = max(drift[step], _half_error(half, x[:, p0:p0 + n], pos, cache, out, presents, p0, lm))
             feeds = {names[0]: x[:, p0:p0 + n].numpy().astype(ids if lm else np_dtype), "position_ids": pos.numpy().astype(ids)}
             want = {outs[0]: out.numpy()}
             if npu:
@@ -128,6 +128,11 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
                 want |= {new: p[:, :, p0:p0 + n].numpy() for new, p in zip(cache_names(config, kind, ""), presents)}
             else:
                 want |= {name: p.numpy() for name, p in zip(outs[1:], presents)}
+            decided = None
+            if half is not None:
+                errs, got = _half_error(half, x[:, p0:p0 + n], pos, cache, out, presents, p0, lm)
+                drift[step] = {k: max(drift[step].get(k, 0.0), e) for k, e in zip(want, errs)}
+                decided = decided_rows(out.numpy(), got) if lm else None
             if not (lm and npu):
                 feeds |= {name: c.numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
             elif p0 > held:
@@ -135,18 +140,19 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
             for h, p in zip(host, presents):  # as the graph's dtype holds them
                 h[:, :, p0:p0 + n] = _held(p[:, :, p0:p0 + n], np_dtype)
             held = max(held, p0 + n)
-            steps[step].append((feeds, want, p0 + n))
+            steps[step].append((feeds, want, p0 + n, decided))
     return steps, drift
 
 
-def _half_error(half, x, pos, cache, out, presents, p0: int, lm: bool) -> float:
-    """max_rel of the fp16 model's step (its output, and the cache rows it writes) against eager fp32's."""
+def _half_error(half, x, pos, cache, out, presents, p0: int, lm: bool) -> tuple[list[float], np.ndarray]:
+    """max_rel of the fp16 model's step against eager fp32's, per output (its output, then the cache rows it writes),
+    and its output."""
     n = x.shape[1]
     with torch.no_grad():
         got, *rows = half(x if lm else x.half(), pos, *[c.half() for c in cache])
     errs = [(logit_error if lm else error)(got.float().numpy(), out.numpy())]
     errs += [error(r[:, :, p0:p0 + n].float().numpy(), p[:, :, p0:p0 + n].numpy()) for r, p in zip(rows, presents)]
-    return worst(errs)["max_rel"]
+    return [e["max_rel"] for e in errs], got.float().numpy()
 
 
 def _held(t: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -157,8 +163,8 @@ def _held(t: torch.Tensor, dtype: str) -> torch.Tensor:
 def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str, suffix: str, seed: int,
              tmp: Path, exported: dict, half: torch.nn.Module | None) -> list[dict]:
     """The bundle entries (and golden files) of one target's two step graphs over `config.capacity` rows; `exported`:
-    the manifest they come from; `half`: golden's. An fp16 graph is held to what fp16 costs the model on its goldens
-    (fp16_tolerance of its eager_fp16_max_rel), as the export held it on its cases."""
+    the manifest they come from; `half`: golden's. An fp16 graph's outputs are each held to what fp16 costs the model
+    on that output on its goldens (fp16_tolerance of its eager_fp16_max_rel), as the export held it on its cases."""
     entries = []
     goldens, drifts = golden(model, config, target, kind, seed, half)
     for step, steps in goldens.items():
@@ -168,8 +174,12 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
                         "target": target, "step": step, "window": config.capacity,
                         # max_rel only: a golden's few logit rows are no statistic for KL or top-1 (near-ties flip
                         # top-1), so it is held as quantize holds a step; the export held those on its prompt set
-                        "budget": {"max_rel": quantize.tolerance(target, dtype_tolerance(config.dtype, drifts[step]))}}
-                       | ({"eager_fp16_max_rel": drifts[step]} if drifts[step] is not None else {})
+                        "budget": {"max_rel": quantize.tolerance(target, dtype_tolerance(config.dtype))}
+                                  | ({"decided": True} if half is not None and kind == "lm"
+                                     and not quantize.split(target)[1] else {})}
+                       | ({"eager_fp16_max_rel": drifts[step],
+                           "output_budgets": {k: quantize.tolerance(target, dtype_tolerance(config.dtype, d))
+                                              for k, d in drifts[step].items()}} if drifts[step] is not None else {})
                        | ({"quantized": quantize.describe(quantize.split(target)[1])
                                         | {"float_activations": _float_activations(exported, f"{step}.{target}{suffix}.onnx")}}
                           if quantize.split(target)[1] else {})
@@ -188,9 +198,11 @@ def _float_activations(exported: dict, file: str) -> list[str]:
 
 def save_golden(path: Path, steps: list) -> None:
     arrays = {"steps": np.array(len(steps))}
-    for i, (feeds, want, live) in enumerate(steps):
+    for i, (feeds, want, live, decided) in enumerate(steps):
         arrays |= {f"in.{i}.{k}": v for k, v in feeds.items()} | {f"out.{i}.{k}": v for k, v in want.items()}
         arrays[f"live.{i}"] = np.array(live)
+        if decided is not None:
+            arrays[f"decided.{i}"] = decided
     np.savez_compressed(path, **arrays)
 
 
@@ -222,21 +234,22 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                         graphs += _goldens(model, c.replace(capacity=w), kind, target, folder, ladders.suffix(w, c), seed, tmp,
                                            exported, half)
                 del model, half
-                drifts = [g["eager_fp16_max_rel"] for g in graphs if g["kind"] == kind and g["dtype"] == dtype
-                          and "eager_fp16_max_rel" in g]
+                drifts = [d for g in graphs if g["kind"] == kind and g["dtype"] == dtype and "eager_fp16_max_rel" in g
+                          for d in g["eager_fp16_max_rel"].values()]
                 log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors" +
                     (f"; eager PyTorch fp16 against fp32 on them: max_rel up to {max(drifts):.2e}" if drifts else ""))
             if socs:  # what the HTP, computing in fp16, is held to (runtime/verify.py budget)
                 drift = fp16_drift(config, kind, seed, weights)
                 for g in (g for g in graphs if g["kind"] == kind):
                     g["fp16_drift"] = drift
-                log(f"{kind}: eager PyTorch fp16 against fp32 over {config.capacity} rows: max_rel {drift:.2e}")
+                log(f"{kind}: eager PyTorch fp16 against fp32 over {config.capacity} rows: max_rel up to "
+                    f"{max(drift.values()):.2e}, {next(iter(drift))} {next(iter(drift.values())):.2e}")
         for g in (g for g in graphs if g["target"].startswith("npu") and socs):
             compiled = {soc: g["file"].replace(".onnx", f".qnn{soc}.onnx") for soc in socs}
             g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f, fp16=qnn.fp16_precision(g))
                         for soc, f in compiled.items()}
             log(f"compiled {g['file']} for the QNN HTP of SoC {', '.join(map(str, socs))}")
-        profile = lambda g: quantize.split(g["target"])[0]  # noqa: E731
+        profile = lambda g: quantize.lint_profile(g["target"])  # noqa: E731
         lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], profile(g))],
                              "notes": [vars(v) for v in lint(tmp / g["file"], profile(g), notes=True)]} for g in graphs}
         if any(lints[g["file"]]["violations"] for g in graphs):
@@ -433,11 +446,12 @@ writing each step's reference rows. Check them with `python -m runtime.verify .`
 and, optionally, openvino and onnxruntime-qnn). Every output is held to its graph's budget (`budget` in
 manifest.json: max_rel, the normwise relative error max |a - e| / max |e|: fp32 1e-4, fp16 1e-2, the QDQ
 graphs' their scheme's; for logits also KL and top-1 where the budget has them); NaN or inf never passes. A
-graph that runs and misses its budget FAILs on any runtime. On QNN's HTP, which computes in fp16, a budget is at least
-{FP16_HEADROOM:g}x `fp16_drift`: what fp16 costs the model in eager PyTorch over the whole window, measured when
-the bundle was built (a deep trained model drifts by itself; PyTorch's fp16 model keeps norms and softmax in fp32,
-the HTP does not), up to {FP16_CAP:g}; an fp16 graph's `budget` is 1e-2 or {FP16_HEADROOM:g}x `eager_fp16_max_rel`
-(what fp16 costs the model on that graph's goldens), whichever is more, on every runtime. "not accepted (as the manifest says)" is only for a
+graph that runs and misses its budget FAILs on any runtime. Each output is held on its own: on QNN's HTP, which
+computes in fp16, an output's budget is at least {FP16_HEADROOM:g}x its `fp16_drift`: what fp16 costs the model on
+that output in eager PyTorch over the whole window, measured when the bundle was built (a deep trained model drifts
+by itself; PyTorch's fp16 model keeps norms and softmax in fp32, the HTP does not), up to {FP16_CAP:g}; an fp16
+graph's outputs are held to `output_budgets`: 1e-2 or {FP16_HEADROOM:g}x that output's `eager_fp16_max_rel` (what
+fp16 costs the model there on that graph's goldens), whichever is more, on every runtime. "not accepted (as the manifest says)" is only for a
 runtime that will not load a graph and names an op that `runtimes` in manifest.json records it refusing for the
 graph's target (e.g. OpenVINO and QNN's HTP have no `TensorScatter`, which the `onnx` graphs use).
 

@@ -34,8 +34,9 @@ from runtime.drivers import HostCacheGenerator
 from runtime.metrics import Budget
 
 from passes.build import replace_value
-from passes.lint import FLOAT_ACTIVATIONS, WEIGHTED
+from passes.lint import WEIGHTED
 from passes.lower_npu import MASK_VALUE
+from passes.mixed_precision import BOUNDED_OPS, FLOAT_OPS, METADATA, WIDE_RANGE, reasons
 from passes.quantize_weights import constant_weights, ort_quantization, quiet
 
 
@@ -45,15 +46,8 @@ class Scheme:
     quantized_steps: tuple     # steps that get the quantized graph (the others keep the base graph)
     budget: Budget             # against fp32 eager: max_rel for steps and sequences; all of it on the accuracy prompt set
     what: str
+    lint: str = ""             # the lint profile its graphs are held to (passes/lint.py; "": its base target's)
 
-
-# Mixed precision: an activation whose calibrated range passes +-WIDE_RANGE stays float (fp16 on the HTP). A trained
-# model's residual stream carries massive activations (SmolLM2-135M: |x| ~ 25000 in a few channels of a few tokens,
-# where every other value is ~3), so one 16-bit grid over it steps by 0.75 and every ordinary value carries that error
-# (every activation quantized: KL 0.47 and 7.7 of 64 greedy tokens on real text). The norms ahead of every matmul
-# divide those rows by their peak (passes/lower_npu.py), so what the matmuls read is bounded and stays 16-bit.
-# Past the bound, a 16-bit grid (with the calibration's margin) steps by more than 1/32: 3% of a unit-scale value.
-WIDE_RANGE = 512.0
 
 # Budgets from the worst figure measured (random weights, the calibration below; tiny: `export_model(preset('tiny'),
 # kind='lm', quant=...)`, minimind: the same at the minimind preset), with a margin: max_rel about 1.5x (kept well below 1,
@@ -68,7 +62,7 @@ WIDE_RANGE = 512.0
 #          5.2e-3 on these random-token prompts, steps 0.065-0.088, sequence 0.039; on the benchmark's real
 #          chat/prose/code prompts 0.012, top-1 95%; minimind 1.5e-3, tiny 1.0e-3), top-1 60% (minimind 82%, tiny
 #          96%). Without the mixed precision SmolLM2 measured KL 0.040 here and 0.47 on the real prompts (its residual
-#          stream's massive activations on one 16-bit grid, WIDE_RANGE above), which this budget still refuses.
+#          stream's massive activations on one 16-bit grid: passes/mixed_precision.py), which this budget still refuses.
 # w8a16's weights stay per output channel, though blocks of 32 along K (DequantizeLinear's blocked form, opset 21) hold a
 # trained model's weights better off the HTP: SmolLM2-135M's weights alone in eager PyTorch KL 2.5e-3 -> 7.0e-4, its
 # w8a16 export on these prompts KL 5.2e-3 -> 1.15e-3 (commit ce13e43, reverted). QNN's HTP takes blocks only by
@@ -87,7 +81,7 @@ SCHEMES = {
     "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=0.012, top1=0.6),
                     "QDQ: weights int8 symmetric per output channel, activations uint16 asymmetric per tensor, "
                     f"MinMax-calibrated; an activation whose range passes +-{WIDE_RANGE:g} stays float, and so do "
-                    "attention probabilities and norms' means of squares (mixed precision)"),
+                    "attention probabilities and norms' means of squares (mixed precision)", lint="qdq"),
 }
 QDQ_OPSET = 21
 QDQ_MASK_VALUE = -100.0
@@ -107,19 +101,6 @@ CALIBRATION_TEXT = ("The history of the printing press begins in the fifteenth c
 # (SmolLM2-135M's decode step over 2047 rows of random tokens, calibrated exactly: 198 of 2295 tensors past their
 # range, by up to 24% of its width; max_rel 0.53). Softmax and Sigmoid outputs keep their range: it is exact.
 RANGE_MARGIN = 0.5
-BOUNDED_OPS = ("Softmax", "Sigmoid")
-# Attention probabilities stay float (fp16 on the HTP): QNN's HTP rounds a 16-bit Softmax's outputs down, and a long
-# row's many small probabilities lose their mass (measured on SoC 43: one sink and 2075 other scores, the others' mass
-# 0.072 comes out 0.053 at 16 bits, 0.07201 in fp16; SmolLM2-135M's w8a16 prefill over 1920 cache rows max_rel 0.59
-# on the HTP, 0.23 on the CPU, which rounds to nearest). So do the norms' means of squares: their rows span 0.4..256
-# (max|y| = 16 after the npu RMSNorm's rescale; one channel or all of them), and a divisor's relative error is the
-# output's: SmolLM2-135M's w8a16 first answer token to "What is the capital of France?" ('The', 0.08 logits above 'L'
-# in fp32) came out 'L' by 0.27; with these float, 'The' by 0.21 (all activations float: by 0.25).
-FLOAT_OPS = ("Softmax", "ReduceMean")
-# And so do the products of two activations (the attention's Q K^T and P V): the HTP multiplies two 16-bit activations
-# with several times the error of the QDQ graph's own arithmetic (SmolLM2-135M's decode step of its seventh answer
-# token: scores rms 1.3e-2 there, 4.6e-3 on the CPU), and that step, whose fp32 margin is 0.30 ('.' over ','), came
-# out ',' by 0.26 on SoC 43. With these float it keeps '.' by 0.26; with every weight on a 16-bit grid instead it tied.
 
 
 class QuantError(ValueError):
@@ -145,6 +126,12 @@ def split(target: str) -> tuple[str, str]:
     return base, scheme
 
 
+def lint_profile(target: str) -> str:
+    """The passes/lint.py profile a graph of `target` is held to: its scheme's, else its base target's."""
+    base, scheme = split(target)
+    return SCHEMES[scheme].lint or base if scheme else base
+
+
 def mask_value(target: str) -> float:
     """The npu graphs' masked-score value: -30000 (finite in fp16), -100 in QDQ graphs, whose 16-bit scores after the
     mask would otherwise step by 0.5 (exp(-100) is as good as zero next to any visible score)."""
@@ -167,6 +154,7 @@ def spell(budget: Budget) -> str:
     parts = [f"max_rel <= {budget.max_rel:g}"]
     parts += [f"kl_mean <= {budget.kl_mean:g}"] if budget.kl_mean is not None else []
     parts += [f"top-1 >= {budget.top1:.0%}"] if budget.top1 is not None else []
+    parts += ["eager's argmax on every row it decides"] if budget.decided else []
     return ", ".join(parts)
 
 
@@ -255,9 +243,9 @@ def _runs(driver: HostCacheGenerator, inputs: list[np.ndarray], kind: str) -> It
             yield
 
 
-def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, list[str]]:
+def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, dict[str, dict]]:
     """The float npu graph `model` in QDQ form (w8a16), activation ranges from `feeds` (widened); how many feeds it
-    read; and the activations it left float (WIDE_RANGE, FLOAT_OPS)."""
+    read; and the activations it left float, each with its reason (passes/mixed_precision.py)."""
     q = ort_quantization()
     constant_weights(model)  # so the tied lm_head is quantized as a weight (per channel), not as an activation
     readers = _wide_constant_readers(model)
@@ -268,41 +256,20 @@ def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, list[str
         ops = sorted({n.op_type for n in proto.graph.node})  # all of them: its default list leaves e.g. Sqrt in float
         ranges, read = _ranges(q, src, ops, feeds, tmp)
         bounded = {o for n in proto.graph.node if n.op_type in BOUNDED_OPS for o in n.output}
-        wide = _rescaled(model, {name for name, d in ranges.data.items() if np.abs(d.range_value).max() > WIDE_RANGE}
-                         | {o for n in proto.graph.node if n.op_type in FLOAT_OPS for o in n.output}) \
-            + _activation_products(proto)
+        why = reasons(model, {name: d.range_value for name, d in ranges.data.items()})
         q.calibrate.save_tensors_data(q.TensorsData(q.CalibrationMethod.MinMax, {
             name: d.range_value if name in bounded else _widened(*d.range_value) for name, d in ranges.data.items()}),
             cache)
         q.quantize_static(src, dst, None, quant_format=q.QuantFormat.QDQ, per_channel=True, op_types_to_quantize=ops,
                           activation_type=q.QuantType.QUInt16, weight_type=q.QuantType.QInt8,
-                          calibration_cache_path=cache, nodes_to_exclude=readers + _float_weight_readers(model, wide),
+                          calibration_cache_path=cache, nodes_to_exclude=readers + _float_weight_readers(model, why),
                           extra_options={"QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}, "WeightSymmetric": True,
                                          "ActivationSymmetric": False})
         quantized = ir.serde.deserialize_model(onnx.load(dst))
-        kept = _keep_float(quantized, wide)
-        if kept:  # declared, so that lint tells them from a float island the quantizer left by mistake
-            quantized.metadata_props[FLOAT_ACTIVATIONS] = json.dumps(kept)
+        kept = {name: why[name] for name in _keep_float(quantized, list(why))}
+        if kept:  # declared with their reasons, so that lint tells them from a float island and re-checks each
+            quantized.metadata_props[METADATA] = json.dumps(kept)
         return quantized, read, kept
-
-
-def _rescaled(model: ir.Model, wide: set[str]) -> list[str]:
-    """`wide` and every activation an op makes from one of them and constants alone (Abs, ReduceMax, a Mul by 1/16, a
-    Reshape): such a tensor carries the wide one's spread between rows in a smaller range (an RMSNorm's per-row scale:
-    ~1600 in the massive rows, ~0.2 in the others), which one 16-bit grid resolves no better."""
-    for node in model.graph:
-        dynamic = [v for v in node.inputs if v is not None and v.const_value is None]
-        if len(dynamic) == 1 and dynamic[0].name in wide and node.op_type not in BOUNDED_OPS:
-            wide |= {o.name for o in node.outputs}
-    return sorted(wide)
-
-
-def _activation_products(proto: onnx.ModelProto) -> list[str]:
-    """The outputs of the matmuls whose inputs are both activations (not rescaled further: the next op's output is
-    16-bit again, so the output projection keeps its int8 weight)."""
-    constants = {i.name for i in proto.graph.initializer} | {o for n in proto.graph.node if n.op_type == "Constant"
-                                                            for o in n.output}
-    return [n.output[0] for n in proto.graph.node if n.op_type == "MatMul" and not constants & set(n.input)]
 
 
 def _wide_constant_readers(model: ir.Model) -> list[str]:

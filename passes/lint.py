@@ -10,8 +10,10 @@ QDQ models: 16-bit activations at opset 21 (where 16-bit QuantizeLinear is stand
 otherwise), MatMul/Gemm/Conv weights int8 with zero point 0 and positive scales behind a
 DequantizeLinear (symmetric weights), every compute op between DequantizeLinear and
 QuantizeLinear (no float islands, which the HTP would run in fp16 or refuse), but for the
-activations the graph declares float (mixed precision: metadata FLOAT_ACTIVATIONS, a note), whose matmuls keep
-float weights (QNN refuses a per-channel DequantizeLinear outside a quantized group). `onnx` and
+activations the graph declares float (mixed precision, a note), each for a reason lint re-checks on the graph
+(passes/mixed_precision.py), whose matmuls keep float weights (QNN refuses a per-channel DequantizeLinear outside a
+quantized group). The `qdq` profile, a quantized npu target's, also wants the graph quantized: Q/DQ present and at
+most passes.mixed_precision.MAX_FLOAT_WEIGHTS of its matmul weights float. `onnx` and
 `ort` check what their targets promise: static shapes and every
 attention fused, without a K/V repeat; `onnx` also standard domains only at opset 24.
 
@@ -34,6 +36,7 @@ from runtime.cli import Parser, run
 
 from .analysis import const
 from .leftovers import unfused_attention
+from .mixed_precision import MAX_FLOAT_WEIGHTS, WEIGHTED, declared, float_share, unjustified
 from .model_io import load
 from .static_shapes import unknown_dims
 
@@ -72,7 +75,6 @@ def npu_opset(model, path):
 
 QDQ = {"QuantizeLinear", "DequantizeLinear"}
 MOVES = {"Reshape", "Transpose", "Concat", "Slice", "Split", "Squeeze", "Unsqueeze", "Gather", "Identity"}
-WEIGHTED = {"MatMul": 1, "Gemm": 1, "Conv": 1}
 
 
 def qdq_weights(model, path):
@@ -109,12 +111,28 @@ def qdq_weights(model, path):
     return found
 
 
-FLOAT_ACTIVATIONS = "quantization.float_activations"  # metadata: a JSON list of the activations a QDQ graph keeps float
-
-
 def float_activations(model) -> set[str]:
-    """The activations a QDQ graph declares float (mixed precision; export/quantize.py)."""
-    return set(json.loads(model.metadata_props.get(FLOAT_ACTIVATIONS, "[]")))
+    """The activations a QDQ graph declares float (mixed precision; passes/mixed_precision.py)."""
+    return set(declared(model))
+
+
+def float_justified(model, path):
+    """Each activation a QDQ graph declares float is made by the graph, for the reason it gives, re-checked
+    (passes/mixed_precision.py): a declaration is not a licence."""
+    return [Violation("float-justified", name, "", f"declared float: {why}") for name, why in unjustified(model)]
+
+
+def qdq_present(model, path):
+    """A graph whose target is quantized holds Q/DQ pairs, and at most MAX_FLOAT_WEIGHTS of its matmul weights (by
+    elements) stay float: a graph that is mostly float is not w8a16."""
+    if not any(n.op_type in QDQ for n in _nodes(model)):
+        return [Violation("qdq-present", "", "", "no QuantizeLinear or DequantizeLinear; expected a QDQ graph")]
+    share = float_share(model)
+    if share["float_weights"] > MAX_FLOAT_WEIGHTS:
+        return [Violation("qdq-present", "", "", f"{share['float_weights']:.1%} of matmul weights float "
+                          f"({share['float_matmuls']} of {share['matmuls']} matmuls); expected at most "
+                          f"{MAX_FLOAT_WEIGHTS:.0%} (a graph whose weights are mostly float is not w8a16)")]
+    return []
 
 
 def qdq_complete(model, path):
@@ -218,16 +236,18 @@ def mixed_precision(model, path):
             ] if declared else []
 
 
+NPU = [npu_opset, static_shapes, forbidden("control-flow", CONTROL_FLOW), forbidden("shape-op", SHAPE_OPS),
+       forbidden("scatter", SCATTER_OPS), forbidden("repeat", REPEAT_OPS), computed_reshape, int32_inputs,
+       no_bool_inputs, finite_constants, standard_domains, qdq_weights, qdq_complete, float_justified]
 PROFILES = {
-    "npu": [npu_opset, static_shapes, forbidden("control-flow", CONTROL_FLOW), forbidden("shape-op", SHAPE_OPS),
-            forbidden("scatter", SCATTER_OPS), forbidden("repeat", REPEAT_OPS), computed_reshape, int32_inputs,
-            no_bool_inputs, finite_constants, standard_domains, qdq_weights, qdq_complete],
+    "npu": NPU,
+    "qdq": NPU + [qdq_present],  # a quantized npu target's graph (npu-w8a16)
     "onnx": [opset(24), static_shapes, standard_domains, attention_fused],
     "ort": [static_shapes, attention_fused],
 }
 
 
-NOTES = {"npu": [fp32_tables, mixed_precision], "onnx": [], "ort": []}
+NOTES = {"npu": [fp32_tables, mixed_precision], "qdq": [fp32_tables, mixed_precision], "onnx": [], "ort": []}
 
 
 def lint(path: str | Path, profile: str, notes: bool = False) -> list[Violation]:

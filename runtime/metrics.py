@@ -27,15 +27,22 @@ TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
 # eager fp16 error on the same inputs where that passes 1e-2 (fp16_tolerance). Never past FP16_CAP: a budget that
 # followed a model drifting further would pass a graph computing nothing right.
 FP16_HEADROOM, FP16_CAP = 3.0, 0.05
+# Each output (the logits or hidden states, each cache) follows its own eager fp16 error: a cache eager fp16 reproduces
+# 50x more closely than the logits is not held to the logits' budget. A float graph's logits are also held to eager's
+# argmax on every row it decides: where eager fp32's top-2 margin exceeds DECIDED_MARGIN times eager fp16's largest
+# error on that row (two logits each off by that error swap only under a margin of 2x; 3x leaves headroom).
+DECIDED_MARGIN = 3.0
 
 
 @dataclass(frozen=True)
 class Budget:
-    """What an output may be off by: max_rel always; for logits also a KL bound (mean over steps, nats) and the
-    least top-1 agreement. A float tolerance is Budget(max_rel=tolerance)."""
+    """What an output may be off by: max_rel always; for logits also a KL bound (mean over steps, nats), the least
+    top-1 agreement, and (`decided`) no swapped argmax on a row eager decides. A float tolerance is
+    Budget(max_rel=tolerance)."""
     max_rel: float
     kl_mean: float | None = None
     top1: float | None = None
+    decided: bool = False  # logits: the argmax agrees on every row eager decides (decided_rows; the error's `swapped`)
 
     def __post_init__(self):
         if not 0 <= self.max_rel < 1:
@@ -91,7 +98,8 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def worst(errors: list[dict]) -> dict:
-    """The worst of several errors: largest max_abs, max_rel and KL, least top-1, finite only if all are."""
+    """The worst of several errors: largest max_abs, max_rel and KL, least top-1, finite only if all are; the rows
+    swapped, added up."""
     out = {k: max(e[k] for e in errors) for k in ("max_abs", "max_rel")}
     out["finite"] = all(e.get("finite", True) for e in errors)
     for k in ("kl_mean", "kl_max"):
@@ -99,6 +107,8 @@ def worst(errors: list[dict]) -> dict:
             out[k] = max(e[k] for e in errors if k in e)
     if any("top1" in e for e in errors):
         out["top1"] = min(e["top1"] for e in errors if "top1" in e)
+    if any("swapped" in e for e in errors):
+        out["swapped"] = sum(e.get("swapped", 0) for e in errors)
     return out
 
 
@@ -118,6 +128,31 @@ def dtype_tolerance(dtype: str, drift: float | None = None) -> float:
     return fp16_tolerance(drift) if dtype == "fp16" else TOLERANCE[dtype]
 
 
+def decided_rows(expected: np.ndarray, half: np.ndarray) -> np.ndarray:
+    """Per row of logits [..., V]: whether eager fp32's (`expected`) top-2 margin exceeds DECIDED_MARGIN times eager
+    fp16's (`half`) largest error on that row, so that any computation within fp16's error gives the same argmax."""
+    e = np.asarray(expected, np.float64).reshape(-1, expected.shape[-1])
+    h = np.asarray(half, np.float64).reshape(e.shape)
+    top2 = np.sort(e, axis=-1)[:, -2:] if e.shape[-1] > 1 else np.concatenate([e, np.full_like(e, -np.inf)], -1)
+    noise = np.abs(h - e).max(-1)
+    return (top2[:, 1] - top2[:, 0]) > DECIDED_MARGIN * np.where(np.isfinite(noise), noise, np.inf)
+
+
+def swapped(actual: np.ndarray, expected: np.ndarray, decided: np.ndarray) -> int:
+    """How many rows of logits [..., V] that eager decides (decided_rows) have another argmax in `actual`."""
+    a = np.asarray(actual).reshape(-1, expected.shape[-1])
+    e = np.asarray(expected).reshape(-1, expected.shape[-1])
+    return int((decided & (a.argmax(-1) != e.argmax(-1))).sum())
+
+
+def per_output(errors: dict[str, dict], budgets: dict[str, Budget]) -> tuple[str, str] | None:
+    """None if each output's error is within its own budget, else (the first output that missed, why)."""
+    for name, err in errors.items():
+        if why := why_not(err, budgets[name]):
+            return name, why
+    return None
+
+
 def why_not(err: dict, tolerance: float | Budget) -> str | None:
     """None if `err` is within `tolerance`, else which measure missed, in a few words."""
     b = budget(tolerance)
@@ -131,6 +166,9 @@ def why_not(err: dict, tolerance: float | Budget) -> str | None:
         return f"kl_mean {err['kl_mean']:.3g} > {b.kl_mean:g}"
     if b.top1 is not None and "top1" in err and not err["top1"] >= b.top1:
         return f"top-1 agreement {err['top1']:.0%} < {b.top1:.0%}"
+    if b.decided and err.get("swapped"):
+        return (f"argmax differs on {err['swapped']} row(s) whose eager top-2 margin exceeds {DECIDED_MARGIN:g}x "
+                "eager fp16's error there")
     return None
 
 

@@ -17,7 +17,7 @@ from models.contract import example_inputs, input_names, output_names
 from models.lm import greedy
 
 from .drivers import Driver, HostCacheGenerator
-from .metrics import TOLERANCE, close, error, logit_error, worst
+from .metrics import TOLERANCE, close, decided_rows, error, logit_error, swapped, worst
 from .session import StepSession
 
 
@@ -38,15 +38,17 @@ class StepCase:
     """One step's inputs at positions p0..p0+T-1 and eager fp32's outputs for them (the caches' rows up to p0+T-1):
     computed once, then every target's graph of that step is held to it. `ref` holds cache rows from `kept` on: the
     rows before it eager left as the inputs had them (a 0.6B model's full cache is 470 MB; a case keeps it once).
-    `drift`: for a model held in fp16, the max_rel of that model itself in eager PyTorch on the case (what fp16 costs
-    it here: metrics.fp16_tolerance); None for fp32."""
+    `drift`: for a model held in fp16, the max_rel of that model itself in eager PyTorch on the case, per output in
+    output order (what fp16 costs it on each: metrics.fp16_tolerance); None for fp32. `decided`: then, for the whole
+    model, the logit rows eager decides (metrics.decided_rows)."""
     kind: str
     p0: int
     seq_len: int
     args: tuple
     ref: tuple
     kept: int = 0
-    drift: float | None = None
+    drift: tuple[float, ...] | None = None
+    decided: np.ndarray | None = None
 
     def expected_rows(self, i: int) -> torch.Tensor:
         """Eager's rows 0..p0+T-1 of the i-th cache."""
@@ -78,8 +80,9 @@ def step_case(reference: torch.nn.Module, config: AttentionConfig, seq_len: int,
         return case
     with torch.no_grad():
         out, *presents = own(*[a.to(dtype) if a.is_floating_point() else a for a in args])
-    drift = worst(_case_errors(case, out.float().numpy(), [p.float().numpy() for p in presents]))["max_rel"]
-    return replace(case, drift=drift)
+    half = out.float().numpy()
+    drift = tuple(e["max_rel"] for e in _case_errors(case, half, [p.float().numpy() for p in presents]))
+    return replace(case, drift=drift, decided=decided_rows(case.ref[0].numpy(), half) if kind == "lm" else None)
 
 
 def _dtype(model: torch.nn.Module | None) -> torch.dtype | None:
@@ -107,6 +110,8 @@ def step_parity(case: StepCase, runner: StepSession | HostCacheGenerator, config
     else:
         got = runner.run({name: a.numpy() for name, a in zip(names, args)})
     errs = dict(zip(outs, _case_errors(case, got[outs[0]], [got[n] for n in outs[1:]])))
+    if case.decided is not None:
+        errs[outs[0]]["swapped"] = swapped(got[outs[0]], case.ref[0].numpy(), case.decided)
     return {"p0": p0, **worst(list(errs.values())), "per_output": errs}
 
 
@@ -143,7 +148,8 @@ def prefix_caches(reference: torch.nn.Module, config: AttentionConfig, rows: int
 class SequenceReference:
     """Eager fp32's side of a sequence check, computed once and held against every target's driver: the inputs (hidden
     states [B, P+N, E], or the prompt's token ids [B, P] and eager's greedy tokens [B, N+1] for the whole model) and
-    the outputs they gave; `drift`, for a model held in fp16, the max_rel of its own eager forward in fp16 on them."""
+    the outputs they gave; `drift`, for a model held in fp16, the max_rel of its own eager forward in fp16 on them, and
+    for the whole model the logit rows eager decides (`decided`, metrics.decided_rows)."""
     kind: str
     prompt_len: int
     decode_steps: int
@@ -151,6 +157,7 @@ class SequenceReference:
     ref: np.ndarray
     tokens: np.ndarray | None = None
     drift: float | None = None
+    decided: np.ndarray | None = None
 
 
 def sequence_reference(model, config: AttentionConfig, prompt_len: int, decode_steps: int, seed: int = 0,
@@ -173,7 +180,8 @@ def sequence_reference(model, config: AttentionConfig, prompt_len: int, decode_s
         return reference
     with torch.no_grad():
         got = own().float().numpy()
-    return replace(reference, drift=(logit_error if kind == "lm" else error)(got, reference.ref)["max_rel"])
+    return replace(reference, drift=(logit_error if kind == "lm" else error)(got, reference.ref)["max_rel"],
+                   decided=decided_rows(reference.ref, got) if kind == "lm" else None)
 
 
 def compare_sequence(reference: SequenceReference, driver: Driver) -> dict:
@@ -184,7 +192,10 @@ def compare_sequence(reference: SequenceReference, driver: Driver) -> dict:
     if reference.kind == "lm":
         got = [driver.feed(reference.inputs)[:, -1]]
         got += [driver.decode(reference.tokens[:, i:i + 1])[:, -1] for i in range(n)]
-        err = logit_error(np.stack(got, axis=1), reference.ref)  # eager's greedy tokens are its argmax: top1 is theirs
+        got = np.stack(got, axis=1)
+        err = logit_error(got, reference.ref)  # eager's greedy tokens are its argmax: top1 is theirs
+        if reference.decided is not None:
+            err["swapped"] = swapped(got, reference.ref, reference.decided)
         return {"prompt_len": p, "decode_steps": n, **err, "top1_agreement": err["top1"]}
     xs = reference.inputs
     got = np.concatenate([driver.prefill(xs[:, :p])] + [driver.decode(xs[:, i:i + 1]) for i in range(p, p + n)], axis=1)

@@ -6,8 +6,8 @@ OpenVINO on its CPU device; and where `onnxruntime-qnn` is installed, on Qualcom
 in host emulation for each SoC the bundle was compiled for (`qnn-htp-57`, ...): through the
 bundle's compiled EPContext model for that SoC where it has one, else compiled from the graph,
 either way with no CPU fallback. The HTP runs float graphs in fp16, so they are judged at the
-fp16 tolerance there, or at metrics.FP16_HEADROOM times the model's own fp16 drift in eager PyTorch (the
-bundle's fp16_drift; at most metrics.FP16_CAP) where that is more (metrics.fp16_tolerance); quantized (QDQ) graphs run as quantized, everywhere judged at the accuracy
+fp16 tolerance there, or at metrics.FP16_HEADROOM times the model's own fp16 drift on that output in eager PyTorch
+(the bundle's fp16_drift, per output; at most metrics.FP16_CAP) where that is more (metrics.fp16_tolerance); quantized (QDQ) graphs run as quantized, everywhere judged at the accuracy
 budget the bundle records for them. Each output is compared with the eager-PyTorch output stored
 beside the inputs (present_* only on the rows written so far, as the step contract says) by
 runtime/metrics.py's rule, at the graph's budget (for logits also its KL and top-1 bounds where it
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import qnn
 from .cli import Parser, run
-from .metrics import Budget, error, fp16_tolerance, logit_error, why_not, worst
+from .metrics import Budget, error, fp16_tolerance, logit_error, per_output, swapped, worst
 
 import numpy as np
 import onnxruntime as ort
@@ -39,21 +39,27 @@ class BundleError(ValueError):
     """A folder that is not a readable hand-off bundle."""
 
 
-def golden_steps(path: Path) -> list[tuple[dict, dict, int]]:
-    """[(inputs, expected outputs, rows written so far)] for each step stored in a golden .npz."""
+def golden_steps(path: Path) -> list[tuple[dict, dict, int, np.ndarray | None]]:
+    """[(inputs, expected outputs, rows written so far, the logit rows eager decides or None)] for each step stored in
+    a golden .npz (`decided` where the bundle measured eager fp16 on it: metrics.decided_rows)."""
     data = np.load(path)
     steps = []
     for i in range(int(data["steps"])):
         inputs = {k.split(".", 2)[2]: data[k] for k in data.files if k.startswith(f"in.{i}.")}
         outputs = {k.split(".", 2)[2]: data[k] for k in data.files if k.startswith(f"out.{i}.")}
-        steps.append((inputs, outputs, int(data[f"live.{i}"])))
+        decided = data[f"decided.{i}"] if f"decided.{i}" in data.files else None
+        steps.append((inputs, outputs, int(data[f"live.{i}"]), decided))
     return steps
 
 
-def compare(got: dict, want: dict, live: int) -> dict:
-    """Worst error over the outputs (present_* on the rows written so far)."""
+def compare(got: dict, want: dict, live: int, decided: np.ndarray | None = None) -> dict[str, dict]:
+    """Each output's error (present_* on the rows written so far); logits also count the rows eager decides whose
+    argmax they swap."""
     rows = lambda name, x: x[:, :, :live] if name.startswith("present") else x  # noqa: E731
-    return worst([error(rows(name, got[name]), rows(name, expected)) for name, expected in want.items()])
+    errs = {name: error(rows(name, got[name]), rows(name, expected)) for name, expected in want.items()}
+    if decided is not None and "logits" in want:
+        errs["logits"]["swapped"] = swapped(got["logits"], want["logits"], decided)
+    return errs
 
 
 class HostCache:
@@ -113,13 +119,16 @@ def _runner(bundle: Path, graph: dict, runtime: str):
     return RUNTIMES[runtime](bundle / graph["file"])
 
 
-def budget(graph: dict, runtime: str) -> Budget:
-    """The graph's; on the HTP, which runs float graphs in fp16, its max_rel at least the fp16 tolerance and
-    what fp16 costs the model in eager PyTorch allows (fp16_tolerance of the bundle's fp16_drift)."""
+def budget(graph: dict, runtime: str, output: str) -> Budget:
+    """What the graph's `output` is held to: the graph's budget, an fp16 graph's output its own (`output_budgets`);
+    on the HTP, which runs float graphs in fp16, a max_rel at least the fp16 tolerance and what fp16 costs the model
+    on that output in eager PyTorch allows (fp16_tolerance of the bundle's fp16_drift for it)."""
     b = Budget(**graph["budget"])
+    b = replace(b, max_rel=graph.get("output_budgets", {}).get(output, b.max_rel))
     if not runtime.startswith(QNN):
         return b
-    return replace(b, max_rel=max(b.max_rel, fp16_tolerance(graph.get("fp16_drift"))))
+    drift = graph.get("fp16_drift", {})  # by the step contract's names: an npu graph's new rows `key.i` are present_*'s
+    return replace(b, max_rel=max(b.max_rel, fp16_tolerance(drift.get(output, drift.get("present_" + output)))))
 
 
 def verify_graph(bundle: Path, graph: dict, runtime: str) -> dict:
@@ -133,27 +142,29 @@ def verify_graph(bundle: Path, graph: dict, runtime: str) -> dict:
         err = _run_goldens(bundle, graph, run)
     except Exception as e:
         return {"ok": False, "why": f"failed to run: {_reason(e)}"}
-    why = why_not(err, budget(graph, runtime))
+    missed = per_output(err["per_output"], {name: budget(graph, runtime, name) for name in err["per_output"]})
+    why = f"{missed[1]} ({missed[0]})" if missed else None
     return {"ok": why is None, "why": why, **err}
 
 
 def _run_goldens(bundle: Path, graph: dict, run) -> dict:
-    """The worst error over the graph's golden steps; for logits also KL and top-1 over all the steps' rows."""
+    """The worst error over the graph's golden steps, and each output's (`per_output`); for logits also KL and top-1
+    over all the steps' rows."""
     steps = golden_steps(bundle / graph["golden"])
     host = HostCache(graph["host_cache"], steps[0][0]["attention_mask"].dtype) if "host_cache" in graph else None
     errors, logits = [], []
-    for inputs, want, live in steps:
+    for inputs, want, live, decided in steps:
         got = run(host.feeds(inputs) if host else inputs)
-        errors.append(compare(got, want, live))
+        errors.append(compare(got, want, live, decided))
         if "logits" in want:
             logits.append((got["logits"], want["logits"]))
         if host:
             host.write(inputs, want)
-    err = worst(errors) | {"steps": len(steps)}
+    outputs = {name: worst([e[name] for e in errors]) for name in errors[0]}
     if logits:
         dist = logit_error(*(np.concatenate(x) for x in zip(*logits)))
-        err |= {k: dist[k] for k in ("kl_mean", "kl_max", "top1")}
-    return err
+        outputs["logits"] |= {k: dist[k] for k in ("kl_mean", "kl_max", "top1")}
+    return worst(list(outputs.values())) | {"steps": len(steps), "per_output": outputs}
 
 
 def greedy(bundle: Path, graphs: dict[str, dict], runtime: str, prompt: list[int], new_tokens: int) -> list[int]:

@@ -17,7 +17,7 @@ from export.handoff import build
 from models import preset
 from runtime import qnn
 from runtime.metrics import FP16_CAP, FP16_HEADROOM, why_not
-from runtime.verify import main as verify_main, verify_graph
+from runtime.verify import budget, main as verify_main, verify_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,8 +174,10 @@ def test_every_planted_fault_is_refused(planted):
                 assert refuses[runtime][graph["target"]]["refuses"] == ["TensorScatter"], where
                 continue
             assert graph["budget"]["max_rel"] < 0.5 and not r["ok"], where
+            output = r["why"].rsplit(" (", 1)[-1].rstrip(")")
+            missed, held = r["per_output"][output], budget(graph, runtime, output)
             assert r["why"] == ("non-finite values (NaN or inf) where the reference is finite" if fault == "NaN"
-                                else f"max_rel {r['max_rel']:.3g} > {graph['budget']['max_rel']:g}"), where
+                                else f"max_rel {missed['max_rel']:.3g} > {held.max_rel:g}") + f" ({output})", where
             assert r["max_rel"] >= {"zeros": 1.0, "50% error": 0.49}.get(fault, 0.4), where
 
 
@@ -215,36 +217,39 @@ def test_verify_fails_a_bundle_with_a_planted_fault(bundle, tmp_path, capsys):
     assert list(planted_fails) == runtimes and all(0.49 <= e <= 0.51 for e in planted_fails.values()), planted_fails
     # the HTP runs fp32 graphs in fp16: its budget is fp16's
     assert any(line.startswith("FAIL  qnn-htp-57   attention-fp32/decode.npu.50-error.onnx: max_rel ") and
-               "> 0.01; " in line for line in fails) or not qnn.available()
+               "> 0.01 (output); " in line for line in fails) or not qnn.available()
     assert any(line.startswith("FAIL  onnxruntime  block-fp32/decode.npu.onnx: max_rel") for line in fails)
 
 
 def test_the_htp_budget_follows_what_fp16_costs_the_model(bundle):
     """The HTP computes in fp16, where a deep trained model drifts from fp32 by itself (SmolLM2-135M: 1.0e-2 in eager
-    PyTorch over 2048 rows), so a graph there is held to FP16_HEADROOM times the model's fp16 error over the window
-    (fp16_drift) where that passes the fp16 tolerance, up to FP16_CAP; an fp16 graph on every runtime to that times its
-    own goldens' (eager_fp16_max_rel). The tiny random models drift far less (under 1/2 of it): a graph 2% off must
-    fail there (planted: a drift of 1e-2 would pass it; one of 0.5 must not pass a graph of zeros)."""
-    from runtime.verify import budget
+    PyTorch over 2048 rows), so each output there is held to FP16_HEADROOM times the model's fp16 error on that output
+    over the window (fp16_drift) where that passes the fp16 tolerance, up to FP16_CAP; an fp16 graph's outputs on
+    every runtime to that times their own goldens' (eager_fp16_max_rel). The tiny random models drift far less (under
+    1/2 of it): a graph 2% off must fail there (planted: a logits drift of 1e-2 would pass it, and loosens no cache;
+    one of 0.5 must not pass a graph of zeros)."""
     m = json.loads((bundle / "manifest.json").read_text())
     own = {g["file"]: g.get("eager_fp16_max_rel") for g in m["graphs"]}
     print("eager fp16 on the goldens:", own, "over the window:", {g["kind"]: g.get("fp16_drift") for g in m["graphs"]})
-    assert all((d is not None and 0 < d < qnn.TOLERANCE / 2) == ("-fp16/" in f) for f, d in own.items()), own
-    assert all(0 < g["fp16_drift"] < qnn.TOLERANCE / 2 for g in m["graphs"]) or not qnn.available()
+    assert all((d is not None and all(0 < e < qnn.TOLERANCE / 2 for e in d.values())) == ("-fp16/" in f)
+               for f, d in own.items()), own
+    assert all(0 < e < qnn.TOLERANCE / 2 for g in m["graphs"] for e in g["fp16_drift"].values()) or not qnn.available()
     half = next(g for g in m["graphs"] if g["file"] == "lm-fp16/decode.npu.onnx")
-    assert half["budget"]["max_rel"] == qnn.TOLERANCE
-    assert budget(half, "onnxruntime").max_rel == qnn.TOLERANCE
+    assert set(half["output_budgets"]) == set(half["eager_fp16_max_rel"]) >= {"logits", "key.0", "value.1"}
+    assert all(budget(half, "onnxruntime", k).max_rel == qnn.TOLERANCE for k in half["output_budgets"])
     graph = next(g for g in m["graphs"] if g["file"] == "lm-fp32/decode.npu.onnx")
     if qnn.available():
-        assert budget(graph, "qnn-htp-57").max_rel == max(qnn.TOLERANCE, FP16_HEADROOM * graph["fp16_drift"])
-    assert budget(graph, "onnxruntime").max_rel == 1e-4
-    assert why_not({"max_abs": 1.0, "max_rel": 0.02, "finite": True}, budget(graph, "qnn-htp-57"))
-    deep = graph | {"fp16_drift": 1e-2}
-    assert budget(deep, "qnn-htp-57").max_rel == 3e-2 and budget(deep, "onnxruntime").max_rel == 1e-4
-    assert why_not({"max_abs": 1.0, "max_rel": 0.02, "finite": True}, budget(deep, "qnn-htp-57")) is None
-    unstable = graph | {"fp16_drift": 0.5}  # planted: a model fp16 cannot hold must not loosen the budget to zeros
-    assert budget(unstable, "qnn-htp-57").max_rel == FP16_CAP
-    assert why_not({"max_abs": 1.0, "max_rel": 1.0, "finite": True}, budget(unstable, "qnn-htp-57"))
+        assert budget(graph, "qnn-htp-57", "logits").max_rel == max(qnn.TOLERANCE,
+                                                                    FP16_HEADROOM * graph["fp16_drift"]["logits"])
+    assert budget(graph, "onnxruntime", "logits").max_rel == 1e-4
+    assert why_not({"max_abs": 1.0, "max_rel": 0.02, "finite": True}, budget(graph, "qnn-htp-57", "logits"))
+    deep = graph | {"fp16_drift": {"logits": 1e-2, "present_key.0": 1e-4}}  # by the contract's names
+    assert budget(deep, "qnn-htp-57", "logits").max_rel == 3e-2 and budget(deep, "onnxruntime", "logits").max_rel == 1e-4
+    assert why_not({"max_abs": 1.0, "max_rel": 0.02, "finite": True}, budget(deep, "qnn-htp-57", "logits")) is None
+    assert budget(deep, "qnn-htp-57", "key.0").max_rel == qnn.TOLERANCE  # the npu graph's new rows: present_key.0's
+    unstable = graph | {"fp16_drift": {"logits": 0.5}}  # planted: a model fp16 cannot hold must not pass zeros
+    assert budget(unstable, "qnn-htp-57", "logits").max_rel == FP16_CAP
+    assert why_not({"max_abs": 1.0, "max_rel": 1.0, "finite": True}, budget(unstable, "qnn-htp-57", "logits"))
 
 
 def test_verify_refuses_a_folder_that_is_no_bundle(tmp_path, capsys):

@@ -16,6 +16,7 @@ from export.quantize import (CALIBRATION_DECODE_STEPS, FIRST_TOKEN_PROMPTS, Quan
                              parse, step_feeds)
 from models import build_model, preset
 from passes.lint import lint
+from passes.mixed_precision import MAX_FLOAT_WEIGHTS, METADATA
 from runtime import accuracy
 from runtime.artifacts import open_generator
 from runtime.parity import reference_model
@@ -99,6 +100,74 @@ def test_qdq_graphs_are_npu_clean(exported):
     calib = next(g for g in m["graphs"] if g["target"] == "npu-w8a16")["calibration"]
     assert calib["method"] == "MinMax" and calib["feeds"] > 0
     assert next(g for g in m["graphs"] if g["target"] == "npu-w8a16")["host_cache"]["mask_value"] == -100.0
+
+
+def _declare(path: Path, out: Path, floats: dict | None = None, edit=None) -> Path:
+    """A copy of the QDQ graph at `path` (its weights read from beside it) declaring `floats` float, or edited by
+    `edit(model)`."""
+    model = onnx.load(str(path))
+    if floats is not None:
+        del model.metadata_props[:]
+        onnx.helper.set_model_props(model, {METADATA: json.dumps(floats)})
+    if edit is not None:
+        edit(model)
+    onnx.save(model, str(out))
+    return out
+
+
+def test_w8a16_declarations_are_rechecked(exported, tmp_path):
+    """Each activation a QDQ graph declares float is made by the graph for the reason it gives. Planted: a name the
+    graph does not make, a Softmax output declared as a product, a range within +-WIDE_RANGE, no reason at all."""
+    out, m = exported
+    path = out / "decode.npu-w8a16.onnx"
+    graph = onnx.load(str(path), load_external_data=False)
+    declared = json.loads(next(p.value for p in graph.metadata_props if p.key == METADATA))
+    assert {r["rule"] for r in declared.values()} >= {"op", "product"}, declared
+    softmax = next(n.output[0] for n in graph.graph.node if n.op_type == "Softmax")
+    product = next(k for k, r in declared.items() if r["rule"] == "product")
+    assert declared[softmax] == {"rule": "op", "op": "Softmax"}
+    planted = {"missing": declared | {"nowhere": {"rule": "product"}},
+               "wrong rule": declared | {product: {"rule": "op", "op": "Softmax"}},
+               "narrow range": declared | {product: {"rule": "range", "range": [0.0, 1.0]}},
+               "no reason": declared | {product: {}}}
+    for what, floats in planted.items():
+        found = lint(_declare(path, tmp_path / "planted.onnx", floats), "npu")
+        assert [(v.rule, v.node) for v in found] == [("float-justified", "nowhere" if what == "missing" else product)], \
+            (what, found)
+    # a Softmax output declared a product: what is rescaled from it (its Reshape) loses its reason too
+    found = lint(_declare(path, tmp_path / "planted.onnx", declared | {softmax: {"rule": "product"}}), "npu")
+    assert len(found) == 2 and found[0].node == softmax and "not a MatMul of two" in found[0].message, found
+
+
+def test_an_all_float_graph_is_not_w8a16(exported, tmp_path):
+    """The qdq profile (npu-w8a16's) wants Q/DQ and at most MAX_FLOAT_WEIGHTS of the matmul weights float. Planted:
+    the float npu graph labelled w8a16 (through the export, and as a file); the QDQ graph with most weights float."""
+    out, m = exported
+    assert lint(out / "decode.npu-w8a16.onnx", "qdq") == []
+    share = next(p for g in m["graphs"] if g["file"] == "decode.npu-w8a16.onnx" for p in g["passes"]
+                 if p["pass"] == "quantize_qdq")["float_share"]
+    assert share["matmuls"] > 0 and share["float_weights"] <= MAX_FLOAT_WEIGHTS, share
+    found = lint(out / "decode.npu.onnx", "qdq")
+    assert [v.rule for v in found] == ["qdq-present"] and "expected a QDQ graph" in found[0].message
+
+    def float_weights(model):  # every weight's DequantizeLinear folded back to float
+        init = {i.name: i for i in model.graph.initializer}
+        for n in [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in init
+                  and len(onnx.numpy_helper.to_array(init[n.input[0]]).shape) == 2]:
+            q, scale = (onnx.numpy_helper.to_array(init[i]) for i in n.input[:2])
+            model.graph.initializer.append(onnx.numpy_helper.from_array((q * scale).astype(np.float32), n.output[0]))
+            model.graph.node.remove(n)
+    found = lint(_declare(out / "decode.npu-w8a16.onnx", tmp_path / "floats.onnx", edit=float_weights), "qdq")
+    assert any(v.rule == "qdq-present" and "100.0% of matmul weights float" in v.message for v in found), found
+
+
+def test_the_export_refuses_a_float_graph_as_w8a16(tmp_path, monkeypatch):
+    """Planted: a quantizer that returns the float graph untouched; the export's lint (profile qdq) refuses it."""
+    monkeypatch.setattr("export.quantize.qdq", lambda model, feeds: (model, sum(1 for _ in feeds), {}))
+    with pytest.raises(LintError, match="qdq-present"):
+        export_model(preset("tiny"), tmp_path / "out", kind="lm", quant=("w8a16",), targets=("npu",),
+                     log=lambda *_: None)
+    assert not (tmp_path / "out").exists()
 
 
 def _massive(tmp_path: Path, value: float) -> str:
@@ -223,7 +292,7 @@ def test_w8a16_keeps_the_widest_activations_float(tmp_path, monkeypatch):
         with pytest.raises(qnn.Refused, match="DequantizeLinear: QNN EP does not support a standalone DQ op with "
                                               "per-channel quantization"):
             qnn.session(planted / "prefill.npu-w8a16.onnx", 57)
-    monkeypatch.setattr("export.quantize.WIDE_RANGE", float("inf"))
+    monkeypatch.setattr("passes.mixed_precision.WIDE_RANGE", float("inf"))
     with pytest.raises(AssertionError, match="npu-w8a16"):
         export_model(preset("tiny", tie_embeddings=False), tmp_path / "all-16-bit", kind="lm", weights=weights,
                      quant=("w8a16",), targets=("npu",), log=lambda *_: None)
