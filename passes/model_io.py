@@ -33,10 +33,12 @@ def load(path: str | Path, map_weights: bool = False) -> ir.Model:
             model = ir.load(path)
             _check_external_data(model)
             check(structure(model))
-            return model
-        proto = onnx.load(str(path))
-        check(proto)
-        return ir.serde.deserialize_model(proto)
+        else:
+            proto = onnx.load(str(path))
+            check(proto)
+            model = ir.serde.deserialize_model(proto)
+        check_shapes(structure(model))
+        return model
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ModelFileError(f"input {path}: not a valid ONNX model ({first[:160]})") from None
@@ -76,6 +78,13 @@ def check(proto: onnx.ModelProto) -> None:
             proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     onnx.checker.check_model(proto)
     _check_attribute_ranges(proto.graph)
+
+
+def check_shapes(proto: onnx.ModelProto) -> None:
+    """onnx's strict shape and type inference: a graph whose declared shapes or types contradict its ops (a MatMul of
+    incompatible dims, an output declared [1, 2, 64] that its ScatterElements makes [1, 2, 2]) is not a model
+    onnxruntime loads, and a rewrite of it has nothing to be held to."""
+    onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
 
 
 def _check_attribute_ranges(graph: onnx.GraphProto) -> None:

@@ -51,3 +51,12 @@ def exported(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print each test's recorded `summary` property (the fuzz's outcomes and skips by reason) at the end of the run,
+    where CI's output shows it, also under xdist (whose workers send the properties with their reports)."""
+    for report in (r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, [])):
+        for name, value in getattr(report, "user_properties", []):
+            if name == "summary" and report.when == "call":
+                terminalreporter.write_line(f"{report.nodeid}:\n{value}")

@@ -97,8 +97,9 @@ def test_large_weights_go_to_external_data(tmp_path, monkeypatch):
 
 def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
     """A parity failure after the graphs were written: a new folder disappears, an old one is untouched."""
-    monkeypatch.setattr(export.exporter, "why_not", lambda err, budget: "planted")
-    with pytest.raises(ParityError, match="prefill.raw.onnx: step parity against fp32 eager PyTorch: planted; expected"):
+    monkeypatch.setattr(export.exporter, "per_output", lambda errors, budgets: ("output", "planted"))
+    with pytest.raises(ParityError, match=r"prefill.raw.onnx: step parity against fp32 eager PyTorch: planted "
+                                          r"\(output, p0=0\); expected"):
         export_model(preset("tiny"), tmp_path / "new", log=lambda *_: None)
     assert not (tmp_path / "new").exists()
     old = tmp_path / "old"

@@ -12,6 +12,7 @@ repeats a run).
 import os
 import secrets
 import signal
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -23,7 +24,7 @@ import passes.__main__
 from passes.__main__ import main
 from passes.lower_npu import MASK_VALUE
 from passes.model_io import check
-from passes.verify import TOLERANCE, VerifyError, compare, random_feeds, run_check
+from passes.verify import TOLERANCE, VerifyError, random_feeds, run_check
 from runtime.drivers import host_mask
 from runtime.metrics import error, why_not
 
@@ -76,18 +77,39 @@ def mutate(model: onnx.ModelProto, rng: np.random.Generator) -> tuple[str, bytes
 
 # The judgement of one rewrite -------------------------------------------------------------------------------
 
+# A rewrite reorders float operations, which moves an output as a small change of its inputs would. An output that
+# differs is excused only where the input graph's own output moves as far when its float inputs move by a relative
+# PERTURBATION (about 8 fp32 ulps; the most of PROBES draws), measured by the same rule on the same rows: a mutated
+# graph can divide by a cancellation (1 / x^2 of a residual sum near zero), where reordering alone moves the output
+# past any tolerance. Each output on its own: an ill-conditioned output excuses no other.
+PERTURBATION, PROBES = 1e-6, 2
+# A run that skips more than this share of its cases fails: every skip is a case not checked.
+MAX_SKIPPED = 0.02
+
+
 class Skip(Exception):
-    """The rewrite cannot be compared with its input (the input does not run, or has no npu interface)."""
+    """The rewrite cannot be compared with its input: `reason` (one of REASONS) and the detail."""
+    REASONS = ("the input does not load", "the input does not run", "not the step's interface", "ill-conditioned")
+
+    def __init__(self, reason: str, detail: str):
+        assert reason in self.REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
 
 
-def differs(actual: np.ndarray, expected: np.ndarray, tolerance: float) -> str | None:
-    """runtime.metrics' rule, leaving out only the places where the input graph itself yields NaN or inf
-    (a mutated graph may compute them; the rewrite need not reproduce them there): None, or why not close."""
+def _masked(actual: np.ndarray, expected: np.ndarray) -> dict:
+    """runtime.metrics.error, leaving out only the places where the input graph itself yields NaN or inf (a mutated
+    graph may compute them; the rewrite need not reproduce them there)."""
     a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     if a.shape == e.shape:
         own = ~np.isfinite(e)
         a, e = np.where(own, 0.0, a), np.where(own, 0.0, e)
-    return why_not(error(a, e), tolerance)
+    return error(a, e)
+
+
+def differs(actual: np.ndarray, expected: np.ndarray, tolerance: float) -> str | None:
+    """None, or why `actual` is not within `tolerance` of `expected` (runtime.metrics' rule, _masked)."""
+    return why_not(_masked(actual, expected), tolerance)
 
 
 def _session(model) -> ort.InferenceSession:
@@ -101,54 +123,69 @@ def _bytes(model) -> bytes:
         else open(model, "rb").read()
 
 
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+
+
 def judge(before, after, target: str, seed: int = 0) -> dict[str, str]:
     """The fuzz's judgement of one rewrite (models as paths, bytes or ModelProto): each output of `after` that
     does not compute what `before` computes, with why ({} when all do). Raises Skip when there is nothing to
-    compare against."""
+    compare against, or when every output that differs is explained by the input graph's own conditioning."""
     before, after = _bytes(before), _bytes(after)
-    if target == "npu":
-        return judge_npu(before, after, seed)
+    pairs, reference, feeds = (npu_pairs if target == "npu" else plain_pairs)(before, after, seed)
+    bad = {name: why for name, (got, ref) in pairs.items()
+           if (why := differs(got, ref, TOLERANCE.get(np.dtype(ref.dtype), 0.0)))}
+    if not bad:
+        return {}
+    moved = conditioning(reference, feeds, list(bad), seed)
+    unexplained = {name: why for name, why in bad.items() if _masked(*pairs[name])["max_rel"] > moved[name]}
+    if not unexplained:
+        raise Skip("ill-conditioned", "; ".join(
+            f"{name} {_masked(*pairs[name])['max_rel']:.1e} off, and the input graph's own moves {moved[name]:.1e} "
+            f"under a {PERTURBATION:g} change of its inputs" for name in bad))
+    return unexplained
+
+
+def conditioning(reference, feeds: dict, names: list[str], seed: int) -> dict[str, float]:
+    """{output: how far (normwise, _masked) the input graph's output moves when its float inputs move by a relative
+    PERTURBATION}, the most of PROBES draws. `reference(feeds)` gives the input graph's outputs as judged."""
+    rng, at = np.random.default_rng(seed), reference(feeds)
+    moved = dict.fromkeys(names, 0.0)
+    for _ in range(PROBES):
+        shifted = {k: (v * (1 + PERTURBATION * rng.standard_normal(v.shape))).astype(v.dtype)
+                   if v.dtype.kind == "f" else v for k, v in feeds.items()}
+        there = reference(shifted)
+        for name in names:
+            moved[name] = max(moved[name], _masked(there[name], at[name])["max_rel"])
+    return moved
+
+
+def plain_pairs(before: bytes, after: bytes, seed: int):
+    """({output: (after's, before's)}, the input graph's outputs as a function of feeds, the feeds) on
+    passes.verify's random feeds, present_* cut to the rows written, as passes --verify compares them."""
     try:
-        results = compare(before, after, seed)
+        s0 = _session(before)
+    except Exception as e:
+        raise Skip("the input does not load", _first_line(e)) from None
+    s1 = _session(after)
+    try:
+        feeds = random_feeds(s1, seed)  # the rewritten graph's shapes: its dims may have been pinned
     except VerifyError as e:
-        raise Skip(str(e)) from None
-    bad = [k for k, r in results.items() if not r["ok"]]
-    if any(not results[k]["finite"] for k in bad):  # compare() leaves out only NaN both graphs compute
-        recheck = _rerun(before, after, seed)
-        bad = [k for k in bad if results[k]["finite"] or differs(*recheck[k], results[k]["tolerance"])]
-    if bad:
-        s = _session(before)
-        _skip_ill_conditioned(s, random_feeds(s, seed), bad, min(results[k]["tolerance"] for k in bad), seed)
-    return {k: results[k].get("why") or why_not(results[k], results[k]["tolerance"]) or "differs" for k in bad}
-
-
-def _skip_ill_conditioned(s: ort.InferenceSession, feeds: dict, names: list[str], tolerance: float, seed: int):
-    """Raise Skip when the input graph's outputs `names` move, normwise, by more than `tolerance` when its float
-    inputs move by a relative 1e-6: a mutated graph can divide by a cancellation (1 / x^2 of a residual sum near
-    zero, or 1 / an attention output), where reordering the float operations alone moves the output by more than
-    any tolerance (measured: 0.5% and 3.6e-4 under this perturbation)."""
-    rng = np.random.default_rng(seed)
-    shifted = {k: (v * (1 + 1e-6 * rng.standard_normal(v.shape))).astype(v.dtype) if v.dtype.kind == "f" else v
-               for k, v in feeds.items()}
-    moved = max((float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-                 for a, b in zip(s.run(names, shifted), s.run(names, feeds)) if np.isfinite(b).all() and b.size), default=0.0)
-    if moved > tolerance:
-        raise Skip(f"ill-conditioned: the input graph's own outputs move by {moved:.1e} under a 1e-6 perturbation of "
-                   "its inputs, more than the tolerance a rewrite is held to")
-
-
-def _rerun(before: bytes, after: bytes, seed: int) -> dict:
-    """{output: (after's, before's)} on compare()'s feeds, present_* cut to the rows written, as compare() does."""
-    s0, s1 = _session(before), _session(after)
-    feeds = random_feeds(s1, seed)
+        raise Skip("not the step's interface", str(e)) from None
     names = [o.name for o in s0.get_outputs()]
     last = max((int(v.max()) for v in feeds.values() if np.issubdtype(v.dtype, np.integer) and v.size), default=None)
-    out = {}
-    for name, r, g in zip(names, s0.run(names, feeds), s1.run(names, feeds)):
-        if name.startswith("present") and last is not None and r.ndim >= 3:
-            r, g = r[:, :, : last + 1], g[:, :, : last + 1]
-        out[name] = (g, r)
-    return out
+
+    def rows(name, x):
+        return x[:, :, : last + 1] if name.startswith("present") and last is not None and x.ndim >= 3 else x
+
+    def reference(f):
+        return {name: rows(name, r) for name, r in zip(names, s0.run(names, f))}
+    try:
+        ref = reference(feeds)
+    except Exception as e:
+        raise Skip("the input does not run", _first_line(e)) from None
+    got = dict(zip(names, s1.run(names, feeds)))
+    return {name: (rows(name, got[name]), ref[name]) for name in names}, reference, feeds
 
 
 _FLOAT = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
@@ -163,24 +200,26 @@ def npu_feeds(raw: ort.InferenceSession, npu: ort.InferenceSession, rng: np.rand
     raw_ins = {i.name: i for i in raw.get_inputs()}
     pasts = [n for n in ins if n.startswith("past_")]
     first = npu.get_inputs()[0]
-    if set(ins) != set(raw_ins) | {"attention_mask"} or "position_ids" not in ins or not pasts:
-        raise Skip(f"npu inputs {sorted(ins)} are not the raw graph's {sorted(raw_ins)} and attention_mask")
+    if set(ins) - {"attention_mask"} != set(raw_ins) or "position_ids" not in ins or not pasts:
+        raise Skip("not the step's interface", f"npu inputs {sorted(ins)} are not the raw graph's {sorted(raw_ins)} "
+                                               "(and attention_mask, unless the input graph masks nothing)")
     shapes = {n: i.shape for n, i in ins.items()}
     if not all(isinstance(d, int) and d > 0 for s in shapes.values() for d in s):
-        raise Skip(f"npu input shapes not static: {shapes}")
+        raise Skip("not the step's interface", f"npu input shapes not static: {shapes}")
     b, t = first.shape[:2] if len(first.shape) >= 2 else (None, None)
     c = shapes[pasts[0]][2] if len(shapes[pasts[0]]) == 4 else None
     want = {"position_ids": [b, t], "attention_mask": [b, 1, t, (c or 0) + (t or 0)]}
-    if c is None or t is None or t > c or any(shapes[n] != s for n, s in want.items()) \
-            or ins["position_ids"].type != "tensor(int32)" or ins["attention_mask"].type not in _FLOAT \
+    if c is None or t is None or t > c or any(shapes[n] != s for n, s in want.items() if n in ins) \
+            or ins["position_ids"].type != "tensor(int32)" \
+            or "attention_mask" in ins and ins["attention_mask"].type not in _FLOAT \
             or any(len(shapes[p]) != 4 or shapes[p][0] != b or shapes[p][2] != c for p in pasts):
-        raise Skip(f"not the npu step's interface: {shapes}")
+        raise Skip("not the step's interface", f"not the npu step's interface: {shapes}")
     for name, arg in raw_ins.items():
         npu_shape = shapes[name]
         if len(arg.shape) != len(npu_shape) or any(isinstance(d, int) and d != n for d, n in zip(arg.shape, npu_shape)):
-            raise Skip(f"raw input {name} {arg.shape}; the npu graph's is {shapes[name]}")
+            raise Skip("not the step's interface", f"raw input {name} {arg.shape}; the npu graph's is {shapes[name]}")
         if name != "position_ids" and arg.type != ins[name].type or name == "position_ids" and arg.type not in _INT:
-            raise Skip(f"raw input {name}: {arg.type}; the npu graph's is {ins[name].type}")
+            raise Skip("not the step's interface", f"raw input {name}: {arg.type}; the npu graph's is {ins[name].type}")
     p0 = int(rng.integers(0, c - t + 1))
     npu_feed = {}
     for name, arg in ins.items():
@@ -193,54 +232,45 @@ def npu_feeds(raw: ort.InferenceSession, npu: ort.InferenceSession, rng: np.rand
         elif arg.type in _INT:  # token ids
             npu_feed[name] = rng.integers(0, 2, shapes[name]).astype(_INT[arg.type])
         else:
-            raise Skip(f"npu input {name}: {arg.type}")
+            raise Skip("not the step's interface", f"npu input {name}: {arg.type}")
     raw_feed = {n: npu_feed[n] for n in raw_ins}
     raw_feed["position_ids"] = npu_feed["position_ids"].astype(_INT[raw_ins["position_ids"].type])
     return raw_feed, npu_feed, p0, t
 
 
-def npu_pairs(before: bytes, after: bytes, seed: int) -> tuple[dict, ort.InferenceSession, dict]:
-    """({npu output: (npu's, raw's)}, the raw graph's session, its feeds) for one step on the host-cache driver's
-    feeds: the first output as it is, each new-row output (key, key.i, ...) against the raw graph's present_* rows
-    p0..p0+T-1."""
+def npu_pairs(before: bytes, after: bytes, seed: int):
+    """plain_pairs for an npu rewrite, on the host-cache driver's feeds: the first output as it is, each new-row
+    output (key, key.i, ...) against the raw graph's present_* rows p0..p0+T-1."""
     try:
         raw = _session(before)
     except Exception as e:
-        raise Skip(f"the input does not load: {str(e).splitlines()[0][:120]}") from None
+        raise Skip("the input does not load", _first_line(e)) from None
     npu = _session(after)
     raw_feed, npu_feed, p0, t = npu_feeds(raw, npu, np.random.default_rng(seed))
     raw_names, npu_names = [o.name for o in raw.get_outputs()], [o.name for o in npu.get_outputs()]
     want = [raw_names[0]] + ["present_" + n for n in npu_names[1:]]
     if npu_names[0] != raw_names[0] or set(want) != set(raw_names):
-        raise Skip(f"npu outputs {npu_names} do not map onto the raw graph's {raw_names}")
+        raise Skip("not the step's interface", f"npu outputs {npu_names} do not map onto the raw graph's {raw_names}")
+
+    def reference(f):
+        ref = dict(zip(raw_names, raw.run(raw_names, f)))
+        out = {npu_names[0]: ref[raw_names[0]]}
+        for n in npu_names[1:]:
+            r = ref["present_" + n]
+            out[n] = r[:, :, p0:p0 + t] if r.ndim == 4 else r
+        return out
     try:
-        ref = dict(zip(raw_names, raw.run(raw_names, raw_feed)))
+        ref = reference(raw_feed)
     except Exception as e:
-        raise Skip(f"the input does not run: {str(e).strip().splitlines()[0][:120]}") from None
+        raise Skip("the input does not run", _first_line(e)) from None
     got = dict(zip(npu_names, npu.run(npu_names, npu_feed)))
-    pairs = {npu_names[0]: (got[npu_names[0]], ref[raw_names[0]])}
-    for n in npu_names[1:]:
-        r = ref["present_" + n]
-        pairs[n] = (got[n], r[:, :, p0:p0 + t] if r.ndim == 4 else r)
-    return pairs, raw, raw_feed
-
-
-def judge_npu(before: bytes, after: bytes, seed: int = 0) -> dict[str, str]:
-    """judge() for an npu rewrite: its outputs against its input raw graph's on the host-cache driver's feeds."""
-    pairs, raw, raw_feed = npu_pairs(before, after, seed)
-    tolerances = {name: TOLERANCE.get(np.dtype(ref.dtype), 0.0) for name, (_, ref) in pairs.items()}
-    bad = {name: why for name, (got, ref) in pairs.items() if (why := differs(got, ref, tolerances[name]))}
-    if bad:
-        first = raw.get_outputs()[0].name
-        raw_names = [n if n == first else "present_" + n for n in bad]
-        _skip_ill_conditioned(raw, raw_feed, raw_names, min(tolerances[n] for n in bad), seed)
-    return bad
+    return {n: (got[n], ref[n]) for n in npu_names}, reference, raw_feed
 
 
 def fuzz_case(data: bytes, target: str, folder, capsys, seed: int = 0) -> str:
-    """One case through `python -m passes`: 'refused', 'compared', or 'skipped: why'. Raises AssertionError when
-    the passes crash, hang, touch their input, or write a graph that is invalid, does not run, or computes
-    something else than its input."""
+    """One case through `python -m passes`: 'refused', 'compared', or why it was skipped (a Skip.REASONS entry).
+    Raises AssertionError when the passes crash, hang, touch their input, or write a graph that is invalid, does
+    not run, or computes something else than its input."""
     src, out = folder / "in.onnx", folder / "out.onnx"
     src.write_bytes(data)
     out.unlink(missing_ok=True)
@@ -262,7 +292,10 @@ def fuzz_case(data: bytes, target: str, folder, capsys, seed: int = 0) -> str:
     try:
         bad = judge(data, str(out), target, seed)
     except Skip as e:
-        return f"skipped: {e}"
+        if VERBOSE:
+            with capsys.disabled():
+                print(f"  skipped: {e}", flush=True)
+        return e.reason
     assert not bad, f"the rewrite computes something else than its input: {bad}"
     return "compared"
 
@@ -277,12 +310,12 @@ def _alarm(*_):
     raise TimeoutError("a fuzz case ran past 120 s")
 
 
-def test_fuzz_the_passes(seeds, tmp_path, capsys):
+def test_fuzz_the_passes(seeds, tmp_path, capsys, record_property):
     with capsys.disabled():
         print(f"\nfuzz: FUZZ_SEED={SEED} FUZZ_CASES={CASES} (repeat with FUZZ_SEED={SEED} make fuzz; "
               "FUZZ_VERBOSE=1 prints each case before it runs)")
     rng = np.random.default_rng(SEED)
-    counts = {"refused": 0, "compared": 0, "npu compared": 0, "skipped": 0, "npu skipped": 0}
+    outcomes = Counter()  # (outcome, target)
     clean = len(seeds) * len(TARGETS)  # the first cases: every seed unmutated, through every target
     for case in range(CASES):
         seed_model = seeds[case % len(seeds)]
@@ -296,17 +329,25 @@ def test_fuzz_the_passes(seeds, tmp_path, capsys):
         except AssertionError as e:
             raise AssertionError(f"case {case} ({what}, --target {target}; FUZZ_SEED={SEED}): {e}") from None
         assert case >= clean or outcome == "compared", (case, target, outcome)
-        kind = outcome.partition(":")[0]
-        counts[kind] += 1
-        if target == "npu" and kind != "refused":
-            counts["npu " + kind] += 1
-    written = counts["compared"] + counts["skipped"]
+        outcomes[outcome, target] += 1
+    text = summary(outcomes, CASES, SEED)
+    record_property("summary", text)  # conftest prints it at the end of the run, where CI shows it
     with capsys.disabled():
-        print(f"{CASES} cases (FUZZ_SEED={SEED}): {written} rewritten, {counts['compared']} compared with their "
-              f"input in onnxruntime ({counts['npu compared']} npu through the host-cache feeds), "
-              f"{counts['skipped']} not comparable (the input does not run or is ill-conditioned; {counts['npu skipped']} of them npu, "
-              f"whose input may also lack the step's interface)")
-    assert counts["compared"] > counts["npu compared"] > 0
+        print(text)
+    skipped = sum(n for (o, _), n in outcomes.items() if o in Skip.REASONS)
+    assert skipped <= MAX_SKIPPED * CASES, f"{skipped} of {CASES} cases skipped, over {MAX_SKIPPED:.0%}: {text}"
+    assert outcomes["compared", "npu"] > 0 and sum(n for (o, _), n in outcomes.items() if o == "compared") > 0
+
+
+def summary(outcomes: Counter, cases: int, seed: int) -> str:
+    """The run's outcomes by kind and target, skips by reason, in a few lines."""
+    def line(outcome):
+        by = {t: outcomes[outcome, t] for t in TARGETS if outcomes[outcome, t]}
+        return f"  {sum(by.values()):4d} {outcome} ({', '.join(f'{t} {n}' for t, n in by.items()) or 'none'})"
+    skipped = sum(n for (o, _), n in outcomes.items() if o in Skip.REASONS)
+    return "\n".join([f"fuzz: {cases} cases, FUZZ_SEED={seed}: {skipped} skipped "
+                      f"({skipped / max(cases, 1):.1%}; at most {MAX_SKIPPED:.0%})",
+                      *map(line, ("compared", "refused")), *(f"{line(r)}: skipped" for r in Skip.REASONS)])
 
 
 # Planted faults: the judgement refuses a rewrite that is broken ----------------------------------------------
@@ -447,9 +488,9 @@ def test_passes_refuse_gathernd_negative_batch_dims(exported, tmp_path):
 
 
 def test_the_conditioning_skip_leaves_a_wrong_rewrite_refused():
-    """judge() skips a case whose input graph is ill-conditioned (its outputs move past the tolerance under a 1e-6 change
-    of its inputs: FUZZ_SEED=1162764182 case 298, a mutated graph's 1 / x^2 of a residual sum near zero, moved 0.5%).
-    Planted: a well-conditioned graph (1 / x) rewritten wrong (1 / (x + 1e-3)) must still be refused, not skipped."""
+    """judge() excuses an output whose input graph is ill-conditioned (FUZZ_SEED=1162764182 case 298, a mutated graph's
+    1 / x^2 of a residual sum near zero, moved 0.5% under a 1e-6 change of its inputs). Planted: a well-conditioned
+    graph (1 / x) rewritten wrong (1 / (x + 1e-3)) must still be refused, not skipped."""
     from onnx import TensorProto, helper
     vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4096])  # noqa: E731
 
@@ -463,16 +504,49 @@ def test_the_conditioning_skip_leaves_a_wrong_rewrite_refused():
     assert judge(plain, plain, "ort") == {} and "out" in judge(plain, shifted, "ort")
 
 
-def test_the_npu_judgement_skips_an_ill_conditioned_input(exported, tmp_path):
+@pytest.fixture(scope="module")
+def ill_conditioned(exported, tmp_path_factory):
     """Found by the fuzzer (FUZZ_SEED=722729215 case 23): the block's decode step with its second RMSNorm's
-    Reciprocal rewired to the attention's output projection divides the residual by an attention output near
-    zero. Its raw graph's output moves 3.6e-4 under a 1e-6 change of its inputs, so the npu rewrite's 1.2e-4 is no
-    fault of the rewrite. The planted faults above (`scaled`: 1e-3) show the skip does not swallow a wrong npu graph."""
+    Reciprocal rewired to the attention's output projection divides the residual by an attention output near zero
+    (its output moves 3.6e-4 under a 1e-6 change of its inputs), while its K/V rows stay well-conditioned.
+    {target: (the raw graph, its rewrite)} for npu and ort."""
+    folder = tmp_path_factory.mktemp("ill")
     m = onnx.load(str(exported("block").folder / "decode.raw.onnx"))
     first = m.graph.input[0].name
     residual = next(n for n in m.graph.node if n.op_type == "Add" and first in n.input)
     [r for r in m.graph.node if r.op_type == "Reciprocal"][-1].input[0] = next(i for i in residual.input if i != first)
-    onnx.save(m, str(tmp_path / "in.onnx"))
-    assert main([str(tmp_path / "in.onnx"), str(tmp_path / "out.onnx"), "--target", "npu"]) == 0
-    with pytest.raises(Skip, match="ill-conditioned"):
-        judge_npu(m.SerializeToString(), str(tmp_path / "out.onnx"), seed=722729215 + 23)
+    del m.graph.value_info[:]  # the shapes the rewiring changed: strict shape inference refuses the declared ones
+    onnx.save(m, str(folder / "in.onnx"))
+    out = {}
+    for target in ("npu", "ort"):
+        assert main([str(folder / "in.onnx"), str(folder / f"{target}.onnx"), "--target", target]) == 0
+        out[target] = (m, onnx.load(str(folder / f"{target}.onnx")))
+    return out
+
+
+def test_the_npu_judgement_skips_an_ill_conditioned_input(ill_conditioned):
+    """The npu rewrite of the ill-conditioned graph is 1.2e-4 off on its output: no fault of the rewrite, which its
+    input's own conditioning explains; its K/V rows agree."""
+    before, after = ill_conditioned["npu"]
+    with pytest.raises(Skip, match="ill-conditioned: output"):
+        judge(before, after, "npu", seed=722729215 + 23)
+
+
+@pytest.mark.parametrize("target", ["npu", "ort"])
+def test_an_ill_conditioned_output_excuses_no_other(ill_conditioned, target):
+    """Planted: the same rewrite with its well-conditioned key rows 0.1% off is refused at each of 20 seeds, however
+    far the ill-conditioned output moves."""
+    before, after = ill_conditioned[target]
+    names = NAMES.get(target, ("output", "present_key", "present_value"))
+    planted = plant(after, "scaled", (names[1], "", ""))  # the key rows scaled by 1.001
+    for seed in range(20):
+        bad = judge(before, planted, target, seed=seed)
+        assert set(bad) == {names[1]} and "max_rel 0.001 " in bad[names[1]], (seed, bad)
+
+
+def test_the_fuzz_summary_counts_skips_by_reason():
+    text = summary(Counter({("compared", "npu"): 90, ("refused", "ort"): 5, ("ill-conditioned", "onnx"): 3,
+                            ("the input does not run", "raw"): 2}), 100, 7)
+    assert "5 skipped (5.0%; at most 2%)" in text
+    assert "   3 ill-conditioned (onnx 3): skipped" in text and "   2 the input does not run (raw 2)" in text
+    assert "   0 not the step's interface (none)" in text and "  90 compared (npu 90)" in text

@@ -78,11 +78,16 @@ def test_dump_after_every_pass(raw, tmp_path):
     (b"", "empty file; expected an ONNX model"),
     (b"this is not protobuf at all \xff\xfe", "not a valid ONNX model"),
     ("truncated", "not a valid ONNX model"),
+    ("an output's declared shape contradicts its op", "not a valid ONNX model ([ShapeInferenceError]"),
 ])
 def test_bad_input_files(raw, tmp_path, capsys, content, message):
     path = tmp_path / "in.onnx"
     if content == "truncated":
         path.write_bytes(raw.read_bytes()[: raw.stat().st_size // 3])
+    elif content == "an output's declared shape contradicts its op":  # onnxruntime would not load it
+        model = onnx.load(str(raw))
+        model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value += 1
+        onnx.save(model, str(path))
     elif content is not None:
         path.write_bytes(content)
     assert main([str(path), str(tmp_path / "out.onnx"), "--target", "ort"]) == 1
