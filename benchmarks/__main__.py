@@ -32,9 +32,9 @@ from passes.pipeline import TARGETS
 
 from .engines import ENGINES, onnxscript_file
 from .limits import gemm_rate, read_bandwidth
-from . import llamacpp
+from . import llamacpp, provenance
 from .peers import build_genai, run_builder
-from .report import markdown, plot
+from .report import beside, markdown, plot
 from .scale import WORK as SCALE_WORK, make_folder
 from .workloads import FOLDER_MODELS, GENAI, HF, KINDS, LLAMACPP, QUANT, TRAINED, workloads
 
@@ -173,9 +173,7 @@ def _read(path: Path) -> str | None:
 
 
 def machine(threads: int) -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
+    return {"cpu": provenance.cpu(), "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
             "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__}
 
 
@@ -306,7 +304,7 @@ def bench(args) -> int:
            "models": {k: c.to_dict() for k, c in configs.items() if k in FOLDER_MODELS},
            "workloads": {w.name: {"bytes": w.working_set(configs[w.kind]), "flops": w.flops(configs[w.kind])}
                          for w in jobs},
-           "results": results}
+           "results": results, "runs": [provenance.stamp(also=("benchmarks.worker",))]}
     if len(configs) == 1 and next(iter(configs)) in FOLDER_MODELS:  # a folder model alone: its own folder
         out = out / next(iter(configs))
     out.mkdir(parents=True, exist_ok=True)
@@ -314,7 +312,7 @@ def bench(args) -> int:
     (out / name).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out / name}")
     if not args.quick:
-        (out / "results.md").write_text(markdown(doc))
+        (out / "results.md").write_text(beside(out / name, doc, markdown))
         (out / "decode.png").write_bytes(plot(doc))
         print(f"wrote {out / 'results.md'}, {out / 'decode.png'}")
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +32,10 @@ from runtime.cli import Parser, run
 from runtime.parity import reference_model
 from runtime.text import chat_ids, load_tokenizer, prompt_ids
 
-from . import llamacpp
+from . import llamacpp, provenance
 from .__main__ import ARTIFACTS, TRAINED_QUANT, model_configs, prepare, prepare_folder
 from .peers import GenaiDriver
-from .report import accuracy_markdown
+from .report import accuracy_markdown, beside
 from .workloads import GENAI, LLAMACPP, TRAINED
 
 TARGETS = ("ort", "ort-int4", "ort-int8", "npu-w8a16")
@@ -86,7 +85,7 @@ def measure_all(args) -> int:
                 out / "accuracy.json", TARGETS + PEERS, wanted)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (out / "accuracy.md").write_text(accuracy_markdown(doc))
+    (out / "accuracy.md").write_text(beside(out / "accuracy.json", doc, accuracy_markdown))
     print(f"wrote {out / 'accuracy.json'}, {out / 'accuracy.md'}")
     return 0
 
@@ -114,7 +113,7 @@ def measure_trained(args) -> int:
     target = out / args.model
     target.mkdir(parents=True, exist_ok=True)
     (target / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (target / "accuracy.md").write_text(accuracy_markdown(doc))
+    (target / "accuracy.md").write_text(beside(target / "accuracy.json", doc, accuracy_markdown))
     print(f"wrote {target / 'accuracy.json'}, {target / 'accuracy.md'}")
     return 0
 
@@ -146,15 +145,15 @@ def _wanted(engines: list[str] | None, known: tuple, previous: Path) -> set[str]
 def _kept(doc: dict, previous: Path, order: tuple, wanted: set[str]) -> dict:
     """`doc`, in `order`, and where only some engines were `wanted`, the rows of `previous` it did not measure; each
     row's `measured`: this run or an earlier. Refuses to mix tables of other prompts or other decode steps."""
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows = {name: dict(row, measured=stamp) for name, row in doc["results"].items()}
+    run, old = provenance.stamp(), None
+    rows = {name: dict(row, measured=run["date"]) for name, row in doc["results"].items()}
     if wanted != set(order):  # _wanted made sure `previous` exists
         old = json.loads(previous.read_text())
         if old["prompts"] != doc["prompts"] or old["decode_steps"] != doc["decode_steps"]:
             raise ValueError(f"{previous} was measured on other prompts or decode steps; expected the same table, "
                              "or a run without --engines")
         rows = {**old["results"], **rows}
-    return dict(doc, results={name: rows[name] for name in order if name in rows})
+    return provenance.keep(dict(doc, results={name: rows[name] for name in order if name in rows}), old, run)
 
 
 def _trained_drivers(folders: dict, config, threads: int, wanted: set[str]):

@@ -18,6 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from . import provenance
 from .workloads import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -490,25 +491,67 @@ BLOCKS = {"scale": scale_block, "headline": headline, "results": results_block, 
           "scaled-speed": speed_block(SCALED_RESULTS)}
 
 
-def fill(template: str, data: dict, name: str) -> str:
-    """The template with each generated block's body replaced; a block naming no known generator is an error."""
+class _Reads(dict):
+    """The result files by path, remembering which a block read: its figures' provenance is theirs."""
+    def __init__(self, data: dict):
+        super().__init__(data)
+        self.read: list[str] = []
+
+    def __getitem__(self, path: str) -> dict:
+        self.read += [path] * (path not in self.read)
+        return super().__getitem__(path)
+
+
+def provenance_lines(docs: dict[str, dict], root: Path = ROOT) -> list[str]:
+    """A line per result file: the run that measured it, or that its figures are stale and why (the modules whose
+    code changed since, benchmarks/provenance.py), with the command that measures them again."""
+    lines = []
+    for path, doc in docs.items():
+        runs = provenance.runs(doc)
+        if why := provenance.changed(doc, root):
+            files = ", ".join(why[:4]) + (f" and {len(why) - 4} more" if len(why) > 4 else "")
+            again = "; rerun " + " and ".join(f"`{r['command']}`" for r in runs) if runs else ""
+            lines.append(f"- **stale** `{path}`: " + (f"the code changed since it was measured ({files})" if runs
+                                                       else why[0]) + again)
+        else:
+            lines += [f"- `{path}`: {provenance.describe(r)}" for r in runs]
+    return lines
+
+
+def beside(path: str | Path, doc: dict, table, root: Path = ROOT) -> str:
+    """The markdown written beside a result file: `table(doc)`, then the file's provenance."""
+    path = Path(path).resolve().relative_to(root.resolve()) if Path(path).is_absolute() else path
+    return table(doc) + "\n" + "\n".join(["Measured by:", "", *provenance_lines({str(path): doc}, root)]) + "\n"
+
+
+def fill(template: str, data: dict, name: str, root: Path = ROOT) -> str:
+    """The template with each generated block's body replaced, its result files' provenance under it; a block naming
+    no known generator is an error."""
     def body(m: re.Match) -> str:
         if m[2] not in BLOCKS:
             raise ValueError(f"{name}: unknown generated block {m[2]!r}; expected one of {', '.join(BLOCKS)}")
-        return m[1] + "\n".join(BLOCKS[m[2]](data)) + "\n" + m[4]
+        reads = _Reads(data)
+        lines = BLOCKS[m[2]](reads)
+        return m[1] + "\n".join([*lines, "", *provenance_lines({p: data[p] for p in reads.read}, root)]) + "\n" + m[4]
     return BLOCK.sub(body, template)
+
+
+def stale(root: Path = ROOT) -> dict[str, list[str]]:
+    """{result file: why its figures are stale} for every committed result file that is."""
+    docs = {p: json.loads((root / p).read_text()) for p in INPUTS}
+    return {p: why for p, doc in docs.items() if (why := provenance.changed(doc, root))}
 
 
 def render(root: Path = ROOT) -> dict[str, bytes]:
     """Every generated file under `root`, by its path relative to root, from the result files under root."""
     data = {p: json.loads((root / p).read_text()) for p in INPUTS}
-    out = {p.replace(".json", ".md"): markdown(data[p]).encode() for p in BENCH_RUNS}
-    out |= {p.replace(".json", ".md"): accuracy_markdown(data[p]).encode() for p in ACCURACY_RUNS}
-    out |= {p.replace("results.json", "decode.png"): plot(data[p]) for p in (RESULTS, *FOLDER_RESULTS)}
     from . import scale
-    out[SCALE.replace(".json", ".md")] = scale.markdown(data[SCALE]).encode()
+    tables = {**dict.fromkeys(BENCH_RUNS, markdown), **dict.fromkeys(ACCURACY_RUNS, accuracy_markdown),
+              SCALE: scale.markdown}
+    out = {p.replace(".json", ".md"): beside(p, data[p], table, root).encode() for p, table in tables.items()}
+    out |= {p.replace("results.json", "decode.png"): plot(data[p]) for p in (RESULTS, *FOLDER_RESULTS)}
     out[SCALE.replace("results.json", "scale.png")] = scale.plot(data[SCALE])
-    out |= {p: fill((root / p).read_text(), data, p).encode() for p in TEMPLATES}
+    out |= {p: fill((root / p).read_text(), data, p, root).encode() for p in TEMPLATES}
     return out
 
 
@@ -525,6 +568,9 @@ def _write(root: Path) -> int:
         if not (root / path).exists() or (root / path).read_bytes() != content:
             (root / path).write_bytes(content)
             print(f"rewrote {path}")
+    for path, why in stale(root).items():
+        print(f"stale: {path}: " + ("the code changed since it was measured: " + ", ".join(why)
+                                    if "no run recorded" not in why[0] else why[0]))
     return 0
 
 

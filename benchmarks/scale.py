@@ -23,6 +23,8 @@ from pathlib import Path
 from models import preset
 from runtime.cli import Parser, run
 
+from . import provenance, report
+
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1024 ** 3
 WORK = ROOT / "benchmarks" / ".work" / "scale"  # the shapes' folders and their exports
@@ -169,7 +171,6 @@ def main(argv=None) -> int:
 
 
 def measure(args) -> int:
-    from .__main__ import machine
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     results = []
@@ -183,8 +184,10 @@ def measure(args) -> int:
             print(f"  {row['wall_s']:.0f} s, peak RSS {row['peak_rss_bytes'] / GB:.2f} GiB"
                   + (f": {row['error']}" if "error" in row else ""), flush=True)
             results.append(row)
-    doc = {"machine": f"{machine(os.cpu_count())['cpu']}, {os.cpu_count()} cores", "results": _merged(out, results)}
-    files = {"results.json": (json.dumps(doc, indent=2) + "\n").encode(), "results.md": markdown(doc).encode(),
+    earlier = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
+    doc = provenance.keep({"machine": f"{provenance.cpu()}, {os.cpu_count()} cores", "results": _merged(out, results)},
+                          earlier, provenance.stamp(also=("export.__main__",)))
+    files = {"results.json": (json.dumps(doc, indent=2) + "\n").encode(), "results.md": report.beside(out / "results.json", doc, markdown).encode(),
              "scale.png": plot(doc)}
     out.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from benchmarks import report
+from benchmarks import provenance, report
 
 
 def test_generated_files_are_the_committed_bytes():
@@ -14,11 +14,46 @@ def test_generated_files_are_the_committed_bytes():
     assert not stale, f"regenerate with `python -m benchmarks.report`: {stale}"
 
 
-def _copy(tmp_path):
-    for path in (*report.INPUTS, *report.TEMPLATES):
+def _copy(tmp_path, *code):
+    for path in (*report.INPUTS, *report.TEMPLATES, *code):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(report.ROOT / path, tmp_path / path)
     return tmp_path
+
+
+def test_a_code_change_marks_the_figures_that_ran_it_stale(tmp_path):
+    """A result file names its run (commit, date, machine, command) where its figures are published; a planted change
+    to a line of code it ran marks them stale there, a docstring or comment does not, and a file that records no run is
+    stale."""
+    measured, other = "passes/fuse_attention.py", "runtime/session.py"
+    root = _copy(tmp_path, measured, other)
+    run = {"commit": "0123456789", "date": "2026-12-05 12:00 UTC", "machine": {"cpu": "Planted CPU", "cores": 2},
+           "command": "python -m benchmarks", "code": {p: provenance.fingerprint(root / p) for p in (measured, other)}}
+    for path in report.INPUTS:
+        doc = json.loads((root / path).read_text())
+        (root / path).write_text(json.dumps({**doc, "runs": [run]}))
+    assert report.stale(root) == {}
+    readme = report.render(root)["README.md"].decode()
+    assert "`benchmarks/results.json`: commit 0123456789, 2026-12-05 12:00 UTC, Planted CPU (2 cores): " \
+           "`python -m benchmarks`" in readme and "**stale**" not in readme
+    source = (root / measured).read_text()
+    (root / measured).write_text(source.replace('"""', '"""A planted docstring. ', 1) + "\n# a planted comment\n")
+    assert report.stale(root) == {}
+    (root / measured).write_text(source + "\nPLANTED = 1\n")
+    assert report.stale(root) == dict.fromkeys(report.INPUTS, [measured])
+    readme = report.render(root)["README.md"].decode()
+    assert f"- **stale** `benchmarks/results.json`: the code changed since it was measured ({measured}); rerun " \
+           "`python -m benchmarks`" in readme
+    (root / report.SCALE).write_text(json.dumps({k: v for k, v in json.loads((root / report.SCALE).read_text()).items()
+                                                 if k != "runs"}))
+    assert "no run recorded" in report.stale(root)[report.SCALE][0]
+
+
+def test_a_run_stamps_the_code_its_workers_run():
+    run = provenance.stamp(also=("benchmarks.worker",))
+    assert {"benchmarks/engines.py", "runtime/session.py", "benchmarks/worker.py"} <= set(run["code"])
+    assert not any(p.startswith("tests/") or p in provenance.NOT_MEASURING for p in run["code"])
+    assert run["command"].startswith("python ") and run["machine"]["cores"] >= 1 and run["commit"]
 
 
 def test_a_changed_result_changes_the_published_number(tmp_path):
