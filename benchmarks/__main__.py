@@ -21,6 +21,7 @@ import onnxruntime
 import torch
 from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
+import registry
 from export import export_model
 from export.windows import default as ladder
 from runtime.artifacts import load_manifest
@@ -36,7 +37,7 @@ from . import llamacpp, provenance
 from .peers import build_genai, run_builder
 from .report import beside, markdown, plot
 from .scale import WORK as SCALE_WORK, make_folder
-from .workloads import FOLDER_MODELS, GENAI, HF, KINDS, LLAMACPP, QUANT, TRAINED, workloads
+from .workloads import FOLDER_MODELS, GENAI, HF, KINDS, LLAMACPP, QUANT, SCALED_ENGINES, TRAINED, target_of, workloads
 
 TIMING = {"full": {"min_reps": 30, "min_seconds": 1.0, "max_seconds": 4.0},
           "quick": {"min_reps": 8, "min_seconds": 0.2, "max_seconds": 1.0}}
@@ -46,13 +47,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BUILT_FROM = "built-from-weights"  # in each genai build's folder: the checksum of the weights it was built from
 ARTIFACTS = ROOT / "artifacts"  # where a trained model's folder is fetched (models.fetch NAME --out artifacts/NAME)
 # A trained model's quantized targets: every scheme (a refused one fails the whole export).
-TRAINED_QUANT = ("int4", "int8", "w8a16")
+TRAINED_QUANT = tuple(registry.schemes())  # a trained model's export has every scheme
 
 
 def code_fingerprint() -> str:
     """The code that makes the graphs: a change to it invalidates graphs exported earlier."""
     h = hashlib.sha256()
-    for path in sorted(p for d in ("models", "export", "passes") for p in (ROOT / d).glob("*.py")):
+    for path in [ROOT / "registry.py", *sorted(p for d in ("models", "export", "passes") for p in (ROOT / d).glob("*.py"))]:
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -68,12 +69,12 @@ def prepare(config, kind: str, folder: Path, engines: list[str], quantized: bool
     # the quantized targets (w8a16 for benchmarks.accuracy) only where an engine or the caller runs them: they are
     # most of the whole model's export time
     quantized = kind == "lm" and (quantized or any(e in QUANT for e in engines))
-    quant = ("int4", "int8", "w8a16") if quantized else ()
+    quant = tuple(registry.schemes()) if quantized else ()
     fingerprint = json.dumps({"config": config.to_dict(), "quant": quant, "windows": ladder(config),
                               "code": code_fingerprint()})
     if not (stamp.exists() and stamp.read_text() == fingerprint):
         export_model(config, folder, kind=kind, quant=quant, windows=ladder(config), log=lambda *_: None)
-        for graph in (g for g in load_manifest(folder)["graphs"] if g["target"] == "raw"):
+        for graph in (g for g in load_manifest(folder)["graphs"] if g["target"] == registry.root()):
             model = ir.load(folder / graph["file"])
             optimize_for_ort(model)
             ir.save(model, folder / onnxscript_file(graph["file"]))
@@ -111,7 +112,9 @@ def prepare_folder(config, kind: str, folder: Path, engines: list[str]) -> dict[
     folders (llama.cpp: the GGUF files) each engine reads."""
     weights = model_folder(kind, log=lambda *_: None)
     built_from = weights_id(kind, weights)
-    targets, quant = (TARGETS, TRAINED_QUANT) if kind in TRAINED else (("ort",), ("int4",))
+    scaled = [registry.target(t) for t in map(target_of, SCALED_ENGINES) if t]
+    targets, quant = (TARGETS, TRAINED_QUANT) if kind in TRAINED else \
+        (tuple(t.name for t in scaled if not t.scheme), tuple(t.scheme.name for t in scaled if t.scheme))
     stamp = folder / "fingerprint"
     fingerprint = json.dumps({"weights": built_from, "targets": targets, "quant": quant, "windows": ladder(config),
                               "code": code_fingerprint()})
@@ -150,7 +153,7 @@ def prepare_transformers(config, folder: Path, out: Path) -> None:
     if stamp.exists() and stamp.read_text() == fingerprint:
         return
     weights = save_hf_folder(build_model(config, "lm", seed=0), folder / "hf")
-    export_model(config.replace(source="transformers"), out, kind="lm", weights=str(weights), targets=("ort",),
+    export_model(config.replace(source="transformers"), out, kind="lm", weights=str(weights), targets=(registry.RUN_BY_DEFAULT,),
                  windows=ladder(config), log=lambda *_: None)
     stamp.write_text(fingerprint)
 
@@ -174,7 +177,7 @@ def _read(path: Path) -> str | None:
 
 def machine(threads: int) -> dict:
     return {"cpu": provenance.cpu(), "cores": os.cpu_count(), "threads": threads, "python": platform.python_version(),
-            "torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__}
+            **{m.__name__: m.__version__ for m in (torch, onnxruntime, onnx)}}
 
 
 def run_engine(engine: str, config, folders: dict, jobs: list, threads: int, timing: dict, log) -> list[dict]:

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 import torch
 
+import registry
 from models import build_model, preset
 from runtime import accuracy
 from runtime.artifacts import load_manifest, open_generator
@@ -38,13 +39,17 @@ from .peers import GenaiDriver
 from .report import accuracy_markdown, beside
 from .workloads import GENAI, LLAMACPP, TRAINED
 
-TARGETS = ("ort", "ort-int4", "ort-int8", "npu-w8a16")
+# random weights: the default target and every quantized one; a trained model: every target, and int4 at level 0
+QUANTIZED = tuple(n for n, t in registry.TARGETS.items() if t.scheme)
+TARGETS = (registry.RUN_BY_DEFAULT, *QUANTIZED)
 PEERS = ("genai-fp32", "genai-int4")
 COLUMNS = ("max_rel", "mean_rel", "kl_mean", "kl_max", "top1", "greedy_match")
 PROMPTS = Path(__file__).with_name("prompts.json")
 TRAINED_STEPS = 64  # greedy tokens per prompt on a trained model
-TRAINED_TARGETS = ("raw", "onnx", "ort", "npu", "ort-int4", "ort-int4-l0", "ort-int8", "npu-w8a16")
-LEVEL_0 = "ort-int4-l0"  # the ort-int4 graphs with MatMulNBits at accuracy level 0 (fp32 compute): same weights
+# the MatMulNBits targets, also measured at accuracy level 0 (fp32 compute rather than int8 activations): same weights
+LEVELLED = tuple(t for t in QUANTIZED if registry.target(t).scheme.quantizer == "blocks")
+LEVEL_0 = {f"{t}-l0": t for t in LEVELLED}  # {the row's name: the target it runs at level 0}
+TRAINED_TARGETS = (*registry.float_targets(), *(q for t in QUANTIZED for q in (t, *(f"{t}-l0",) * (t in LEVELLED))))
 
 
 def main(argv=None) -> int:
@@ -161,12 +166,12 @@ def _trained_drivers(folders: dict, config, threads: int, wanted: set[str]):
     export = folders[next(k for k in folders if k in TRAINED)]
     exported = {g["target"] for g in load_manifest(export)["graphs"]}
     for target in (t for t in TRAINED_TARGETS if t in wanted):
-        if ("ort-int4" if target == LEVEL_0 else target) not in exported:
+        if LEVEL_0.get(target, target) not in exported:
             yield target, "not exported: python -m benchmarks exports the quantized targets " \
                 f"{', '.join(TRAINED_QUANT)} of a trained model (see TRAINED_QUANT)"
             continue
-        manifest = level_0(export) if target == LEVEL_0 else None
-        yield target, open_generator(export, "ort-int4" if target == LEVEL_0 else target, manifest=manifest,
+        manifest = level_0(export, LEVEL_0[target]) if target in LEVEL_0 else None
+        yield target, open_generator(export, LEVEL_0.get(target, target), manifest=manifest,
                                      provider="cpu", threads=threads)
     for peer in (p for p in GENAI if p in wanted):
         built = (folders[peer] / "genai_config.json").exists()
@@ -177,13 +182,13 @@ def _trained_drivers(folders: dict, config, threads: int, wanted: set[str]):
             folders["unavailable"].get(engine, "not built")
 
 
-def level_0(export: Path) -> dict:
-    """The export's manifest with its ort-int4 decode graphs replaced by copies whose MatMulNBits run at accuracy
+def level_0(export: Path, target: str) -> dict:
+    """The export's manifest with the target's quantized graphs replaced by copies whose MatMulNBits run at accuracy
     level 0 (fp32 compute rather than int8 activations), written beside them once: the same quantized weights,
     read from the same weights file."""
     manifest = load_manifest(export)
-    for g in (g for g in manifest["graphs"] if g["target"] == "ort-int4" and g.get("quantized")):
-        copy = g["file"].replace("ort-int4", LEVEL_0)
+    for g in (g for g in manifest["graphs"] if g["target"] == target and g.get("quantized")):
+        copy = g["file"].replace(target, f"{target}-l0")
         if not (export / copy).exists():
             graph = onnx.load(export / g["file"], load_external_data=False)
             for node in (n for n in graph.graph.node if n.op_type == "MatMulNBits"):

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from models import AttentionConfig, build_model
-from models.contract import example_inputs
+import registry
+from models.contract import STEPS, example_inputs
 from runtime.artifacts import graph_entry, load_manifest, open_generator, windows
 from runtime.drivers import Driver, Generator
 from runtime.session import StepSession
@@ -132,7 +133,7 @@ class Engine:
             if target == "onnxscript":
                 self._generators[kind] = onnxscript_generator(self.folders[kind], **options)
             elif self.name in HF:
-                self._generators[kind] = open_generator(self.folders[self.name], "ort", **options)
+                self._generators[kind] = open_generator(self.folders[self.name], registry.RUN_BY_DEFAULT, **options)
             else:
                 self._generators[kind] = open_generator(self.folders[kind], target,
                                                         ladder=not self.name.endswith("-single"), **options)
@@ -176,9 +177,10 @@ def onnxscript_generator(folder: Path, **options) -> Generator:
     manifest = load_manifest(folder)
 
     def opener(window: int):
-        return lambda: tuple(StepSession(folder / onnxscript_file(graph_entry(manifest, step, "raw", window)["file"]),
-                                         **options) for step in ("prefill", "decode"))
-    sizes = windows(manifest, "raw")
+        return lambda: tuple(StepSession(folder / onnxscript_file(graph_entry(manifest, step, root, window)["file"]),
+                                         **options) for step in STEPS)
+    root = registry.root()
+    sizes = windows(manifest, root)
     return Generator(*opener(sizes[0])(), {w: opener(w) for w in sizes[1:]})
 
 

@@ -18,11 +18,13 @@ import statistics
 import sys
 from pathlib import Path
 
+import registry
+
 from . import provenance
-from .workloads import Workload
+from .workloads import QUANT, Workload, engine, target_of
 
 ROOT = Path(__file__).resolve().parents[1]
-BASELINES = ("torch-sdpa", "ort-raw")
+BASELINES = ("torch-sdpa", engine(registry.root()))
 RESULTS = "benchmarks/results.json"
 WINDOWS = ("benchmarks/windows/attention-block.json", "benchmarks/windows/lm.json")
 INT4 = "benchmarks/int4/lm.json"
@@ -44,8 +46,9 @@ FLOOR_INVALID = "floor invalid (measured faster than the floor: the floor's byte
 # How much faster than genai-fp32 ort-ort should be, per whole-model workload (1.0x elsewhere).
 GENAI_WANT = {"lm/prefill@128": 1.5, "lm/decode@1024": 1.2}
 # The headline: each engine's whole-model speed (results.json) beside its accuracy (accuracy.json, by target name).
-HEADLINE = {"torch-sdpa": None, "ort-raw": None, "ort-ort": "ort", "ort-ort-int4": "ort-int4",
-            "ort-ort-int8": "ort-int8", "genai-fp32": "genai-fp32", "genai-int4": "genai-int4"}
+HEADLINE = {"torch-sdpa": None, engine(registry.root()): None,
+            **{engine(t): t for t in (registry.RUN_BY_DEFAULT, *map(target_of, QUANT))},
+            "genai-fp32": "genai-fp32", "genai-int4": "genai-int4"}
 # How much slower the graphs exported from transformers' modeling code may be than the course model's, same weights.
 HF_WANT = 1.1
 # A trained model's targets (issue 21): (our engine, the peer, the step, how much faster ours should be).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import registry
 from models import AttentionConfig
 
 TRAINED = ("smollm2",)  # trained models, by their models.fetch name: whole-model workloads on real weights
@@ -21,10 +22,28 @@ SCALED = ("qwen3-0.6b",)
 FOLDER_MODELS = TRAINED + SCALED  # whole models read from a Hugging Face folder, their dims the folder's
 KINDS = ("attention", "block", "lm", *FOLDER_MODELS)
 TORCH = ("torch-eager", "torch-sdpa", "torch-compile")
-ORT = ("ort-raw", "ort-onnxscript", "ort-onnx", "ort-ort", "ort-npu")  # the ort engines run the window ladder
-SINGLE = ("ort-onnx-single", "ort-npu-single")  # the same graphs over all C rows, as before the ladder
+
+
+def engine(target: str) -> str:
+    """The engine running a target's graphs in onnxruntime: ort-npu, ort-ort-int4."""
+    return f"ort-{target}"
+
+
+def target_of(name: str) -> str | None:
+    """The registry's target an onnxruntime engine runs, or None (a peer, eager, or not one of ours)."""
+    t = name.removeprefix("ort-").removesuffix("-single")
+    return t if name.startswith("ort-") and t in registry.TARGETS else None
+
+
+_FLOAT = registry.float_targets()
+# the ort engines run each float target's window ladder, and onnxscript's optimize_for_ort of the raw graphs
+ORT = (engine(_FLOAT[0]), "ort-onnxscript", *map(engine, _FLOAT[1:]))
+# the graphs that attend over their whole window (standard ops, not a contrib kernel reading the rows in use) over all
+# C rows, as before the ladder
+SINGLE = tuple(engine(t) + "-single" for t in _FLOAT if registry.target(t).fuses and not registry.target(t).contrib)
 GENAI = ("genai-fp32", "genai-int4")
-QUANT = ("ort-ort-int4", "ort-ort-int8")  # the whole model's quantized ort targets (export --quant int4,int8)
+# the whole model's quantized targets a pass makes (export --quant int4,int8)
+QUANT = tuple(engine(t) for t in registry.pipeline_targets() if registry.target(t).scheme)
 # The same weights written as a Qwen3 folder and exported from transformers' own Qwen3ForCausalLM (--source
 # transformers), its ort graphs: what the passes make of code nobody wrote for them, beside the course model's.
 HF = ("ort-ort-hf",)
@@ -33,7 +52,8 @@ LLAMACPP = ("llamacpp-f32", "llamacpp-q4_0", "llamacpp-q4_1")
 # Bits read per weight, scales included, the fewest any of an engine's layers reads (a floor is a lower bound): ours
 # int4 an fp32 scale and an fp32 minimum term per block of 32 (its lm_head int8: 9), int8 and genai-int4 one fp32
 # scale per 32, Q4_0 one fp16 scale per 32, Q4_1 a scale and a minimum; the embedding's Gather reads one row a token.
-WEIGHT_BITS = {"ort-ort-int4": 6, "genai-int4": 5, "ort-ort-int8": 9, "llamacpp-q4_0": 4.5, "llamacpp-q4_1": 5}
+WEIGHT_BITS = {engine(t): registry.target(t).scheme.weight_bits for t in registry.pipeline_targets()
+               if registry.target(t).scheme} | {"genai-int4": 5, "llamacpp-q4_0": 4.5, "llamacpp-q4_1": 5}
 QUICK_LM = ("torch-eager", "ort-ort", "ort-ort-int4", "genai-fp32", "genai-int4")
 TRAINED_ENGINES = ("torch-eager", "ort-onnx", "ort-ort", "ort-npu") + QUANT + GENAI + LLAMACPP
 SCALED_ENGINES = ("ort-ort", "ort-ort-int4") + GENAI  # our fp32 and int4 against genai's, the same folder

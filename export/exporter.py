@@ -15,6 +15,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+import registry
 from models import AttentionConfig, build_model, checksum, model_config
 from models.checkpoint import folder_extras
 from models.contract import STEPS, io_specs, npu_io_specs, step_len
@@ -41,11 +42,6 @@ from .manifest import attention_layers, build_manifest
 from .progress import Progress
 from .torch_export import DEFAULT_OPSET, cache_rows, to_onnx
 from .weights_file import NAME as WEIGHTS_FILE, WeightsFile
-
-# Graphs whose cache write (TensorScatter, GroupQueryAttention) onnxruntime runs in place when
-# past and present are bound to one buffer; ScatterElements makes no such promise.
-IN_PLACE_TARGETS = ("onnx", "ort")
-
 
 class ParityError(AssertionError):
     """An exported graph computes something other than the eager model."""
@@ -79,17 +75,20 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
     (export/windows.py; default: the capacity alone) exports every step over each window of a ladder, all graphs
     then sharing the one weights file. `bar`: a progress bar on stderr (a terminal's), the lines of `log` above it."""
     out_dir = Path(out_dir)
-    missing = [q for q in quant if quantize.SCHEMES[q].base not in targets]
+    missing = [q for q in quant if registry.quantized_by(q).parent not in targets]
     if missing:
         raise quantize.QuantError(f"--quant {','.join(missing)} quantizes the "
-                                  f"{'/'.join(sorted({quantize.SCHEMES[q].base for q in missing}))} target, which is not exported")
+                                  f"{'/'.join(sorted({registry.quantized_by(q).parent for q in missing}))} target, "
+                                  "which is not exported")
     config = model_config(config, kind, weights)
     ladder = ladders.check(tuple(windows) or (config.capacity,), config)
     model = build_model(config, kind, seed, weights, layer)
     weights_info = {"source": weights or f"random(seed={seed})", "layer": layer, "checksum": checksum(model)}
     attention = attention_layers(model.attention_windows()) if kind == "lm" else None
-    ort_targets = targets + tuple(quantize.target(q) for q in quant if quantize.SCHEMES[q].base == "ort")
-    qdq = [q for q in quant if quantize.SCHEMES[q].base == "npu"]
+    # the schemes a pass applies are exported with the float targets; the calibrated ones from their graphs after
+    ort_targets = targets + tuple(quantize.target(q) for q in quant
+                                  if registry.quantized_by(q).scheme.quantizer == "blocks")
+    qdq = [q for q in quant if registry.quantized_by(q).scheme.quantizer == "qdq"]
     progress = Progress(len(ladder) * len(STEPS) * len(ort_targets) + len(qdq) * len(STEPS), log, bar)
     log = progress.log
     with staged_dir(out_dir) as tmp:
@@ -172,7 +171,7 @@ def _make_graphs(model, config: AttentionConfig, kind: str, seed: int, opset: in
     for step in STEPS:
         with progress.stage("trace"):
             traced = _tracer(model, config, step, opset, kind, ladder, log)
-        pipeline = {t: t if _quantized(t, step) else quantize.split(t)[0] for t in targets}
+        pipeline = {t: t if _quantized(t, step) else registry.base(t) for t in targets}
         for window in ladder:
             with progress.stage("trace"):
                 exported, pins = traced(window)
@@ -200,14 +199,15 @@ def _graph_line(g: dict) -> str:
     fusions = "; ".join(f"{p['pass']}: " + ", ".join(f"{v} {k}" for k, v in p["stats"].items())
                         for p in g["passes"] if p["pass"] not in ("cleanup", "upgrade_opset") and any(p["stats"].values()))
     return (f"{g['file']} ({g['bytes'] / 1e6:.1f} MB): parity vs eager max rel {g['parity']['max_rel']:.1e}"
-            + (f", attention fused {g['attention_fused']}" if g["target"] != "raw" else "") + (f" | {fusions}" if fusions else ""))
+            + (f", attention fused {g['attention_fused']}" if registry.target(g["target"]).fuses else "")
+            + (f" | {fusions}" if fusions else ""))
 
 
 def _quantized(target: str, step: str) -> bool:
     """Whether `target` runs its own graph for `step`: every plain target does; a quantized one only for the steps its
     scheme quantizes (the others run the base target's graph)."""
-    scheme = quantize.split(target)[1]
-    return not scheme or step in quantize.SCHEMES[scheme].quantized_steps
+    scheme = registry.target(target).scheme
+    return not scheme or step in scheme.quantized_steps
 
 
 def _tracer(model, config: AttentionConfig, step: str, opset: int, kind: str, ladder: tuple, log):
@@ -233,16 +233,17 @@ def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: 
     """The npu graphs over C rows in QDQ form, their activation ranges recorded by running the float npu graphs just
     written (and, for a whole model from a folder with a tokenizer, text through it); each saved and checked as the
     others."""
-    floats = {g["step"]: g for g in graphs if g["target"] == "npu" and g["window"] == config.capacity}
+    made = registry.quantized_by(scheme)
+    floats = {g["step"]: g for g in graphs if g["target"] == made.parent and g["window"] == config.capacity}
     sessions = [StepSession(tmp / floats[step]["file"], floats[step]["inputs"], floats[step]["outputs"],
                             provider="cpu", weights=shared) for step in STEPS]
     text = Path(weights) if kind == "lm" and weights is not None and has_tokenizer(weights) else None
-    driver = HostCacheGenerator(*sessions, quantize.QDQ_MASK_VALUE)
+    driver = HostCacheGenerator(*sessions, made.mask_value)
     inputs = quantize.calibration_inputs(config, kind, text=text)
     out = []
     for step in STEPS:
         float_graph = ir.external_data.load_to_model(ir.load(tmp / floats[step]["file"]))  # qdq() saves it elsewhere
-        qdq, feeds, floats_kept = quantize.qdq(float_graph, quantize.step_feeds(driver, inputs, kind, step))
+        qdq, feeds, floats_kept = quantize.qdq(float_graph, quantize.step_feeds(driver, inputs, kind, step), made.opset)
         rules, share = Counter(r["rule"] for r in floats_kept.values()), float_share(qdq)
         entry = {"pass": "quantize_qdq", "summary": f"quantize_qdq: {scheme}, {feeds} calibration feeds, "
                                                     f"{len(floats_kept)} activation(s) kept float ("
@@ -252,8 +253,7 @@ def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: 
                            "float_activations": len(floats_kept)} | {f"float_{r}": n for r, n in rules.items()},
                  "not_matched": [], "float_activations": list(floats_kept), "float_share": share}
         report = {"passes": floats[step]["passes"] + [entry]}
-        target = quantize.target(scheme)
-        saved = _save(qdq, report, config, kind, step, target, tmp, store)
+        saved = _save(qdq, report, config, kind, step, made.name, tmp, store)
         progress.made(1, f"{saved['file']}: calibrated on {feeds} feeds, saved")
         out.append(_check_graph(saved, eager.cases(config.capacity, step), config, kind, tmp, shared))
         progress.graph(_graph_line(out[-1]))
@@ -273,9 +273,9 @@ def _save(graph: ir.Model, report: dict, config: AttentionConfig, kind: str, ste
           store: WeightsFile | None, suffix: str = "") -> dict:
     """Save the target's graph over `config.capacity` rows (named with `suffix`), checked as a graph: every attention
     fused, the onnx checker, static shapes, npu lint."""
-    base, scheme = quantize.split(target)
+    entry, host = registry.target(target), registry.target(target).cache == registry.HOST
     what = f"{step}.{target}{suffix}"
-    fused = _check_fused(graph, report, base, config.num_layers if kind == "lm" else 1, what)
+    fused = _check_fused(graph, report, entry, config.num_layers if kind == "lm" else 1, what)
     path = tmp / f"{what}.onnx"
     if store is not None:
         store.externalize(graph)
@@ -283,22 +283,22 @@ def _save(graph: ir.Model, report: dict, config: AttentionConfig, kind: str, ste
         data = WEIGHTS_FILE
     else:
         data = save(graph, path)
-    if base != "ort":  # onnxruntime's contrib ops are not in ONNX's schema registry; ORT loads them below
+    if not entry.contrib:  # onnxruntime's contrib ops are not in ONNX's schema registry; ORT loads them below
         onnx.checker.check_model(str(path), full_check=True)
-    check_static(path, strict=base != "ort")
-    if base == "npu" and (violations := lint(path, quantize.lint_profile(target))):
+    check_static(path, strict=not entry.contrib)
+    if host and (violations := lint(path, target)):  # the NPU toolchains' rules
         rules = ", ".join(f"{r} ({n})" for r, n in Counter(v.rule for v in violations).items())
         first = {v.rule: v for v in reversed(violations)}
         raise LintError(f"{path.name}: {len(violations)} npu lint violation(s): {rules}; e.g. "
                         + "; ".join(f"{v.rule}: {v.node} ({v.op}): {v.message}" for v in first.values()))
     t = step_len(config, step)
-    io = npu_io_specs(config, t, kind, tuple(mask_inputs(v.name for v in graph.graph.inputs))) if base == "npu" \
+    io = npu_io_specs(config, t, kind, tuple(mask_inputs(v.name for v in graph.graph.inputs))) if host \
         else io_specs(config, t, kind)
     return {"step": step, "target": target, "window": config.capacity, "file": path.name, "external_data": data,
             "bytes": path.stat().st_size + ((tmp / data).stat().st_size if data and store is None else 0),
-            "cache_in_place": base in IN_PLACE_TARGETS, "attention_fused": fused, **io,
-            **({"host_cache": {"mask_value": quantize.mask_value(target)}} if base == "npu" else {}),
-            **({"quantized": _quantized(target, step)} if scheme else {}),
+            "cache_in_place": entry.in_place, "attention_fused": fused, **io,
+            **({"host_cache": {"mask_value": entry.mask_value}} if host else {}),
+            **({"quantized": _quantized(target, step)} if entry.scheme else {}),
             "passes": report["passes"]}
 
 
@@ -359,11 +359,12 @@ def _lm_extras(weights: str | None, tmp: Path) -> dict:
             "tokenizer_files": copied}
 
 
-def _check_fused(graph: ir.Model, report: dict, target: str, layers: int, what: str) -> str:
-    """'L/L': every layer's attention is one fused op (lowered, for npu); raw graphs keep theirs ('0/L')."""
-    if target == "raw":
+def _check_fused(graph: ir.Model, report: dict, target: registry.Target, layers: int, what: str) -> str:
+    """'L/L': every layer's attention is one fused op (lowered, for a host-cache target); a target that fuses nothing
+    keeps them ('0/L')."""
+    if not target.fuses:
         return f"0/{layers}"
-    if target == "npu":
+    if target.cache == registry.HOST:
         done = sum(p["stats"].get("attention", 0) for p in report["passes"] if p["pass"] == "lower_npu")
         why = [n["reason"] for p in report["passes"] if p["pass"] == "lower_npu" for n in p["not_matched"]]
     else:
@@ -421,7 +422,7 @@ def _budget(config: AttentionConfig, target: str, drift: float | None = None, lo
     what fp16 costs the model on that output in eager PyTorch on the same inputs), or its scheme's step budget; a float
     target's `logits` (measured in fp16: decided rows known) also to eager's argmax on the rows eager decides."""
     held = quantize.step_budget(quantize.budget(target, dtype_tolerance(config.dtype, drift)))
-    return replace(held, decided=logits and not quantize.split(target)[1])
+    return replace(held, decided=logits and registry.target(target).scheme is None)
 
 
 def _check(err: dict, budget: Budget, what: str, error: type[ParityError] = ParityError) -> None:

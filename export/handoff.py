@@ -22,15 +22,15 @@ import numpy as np
 import onnx
 import torch
 
+import registry
 from models import AttentionConfig, build_model, model_config, preset
 from models.lm import greedy
 from models.contract import cache_names, input_names, output_names
 from passes.lint import lint
-from passes.lower_npu import MASK_VALUE
 from runtime import qnn
 from runtime.drivers import host_mask
 from runtime.cli import Parser, run
-from runtime.metrics import FP16_CAP, FP16_HEADROOM, decided_rows, dtype_tolerance, error, logit_error
+from runtime.metrics import FP16_CAP, FP16_HEADROOM, TOLERANCE, decided_rows, dtype_tolerance, error, logit_error
 from runtime.parity import reference_model
 from runtime import verify
 from runtime.text import chat_ids, has_tokenizer, load_tokenizer
@@ -40,12 +40,20 @@ from . import quantize, windows as ladders
 from .atomic import staged_dir
 from .exporter import export_model
 
-# Per kind: (dtype, targets); a quantized target (npu-w8a16) shares its float graph's folder and weights file.
-VARIANTS = {"attention": (("fp32", ("onnx", "npu")), ("fp16", ("npu",))),
-            "block": (("fp32", ("onnx", "npu")), ("fp16", ("npu",))),
-            "lm": (("fp32", ("npu", "npu-w8a16")), ("fp16", ("npu",)))}
-KINDS = tuple(VARIANTS)
+
+
+def variants() -> dict[str, tuple]:
+    """Per kind: ((dtype, targets), ...), the targets the registry bundles for that kind and dtype; a quantized target
+    shares its float graph's folder and weights file."""
+    pairs = {pair for t in registry.TARGETS.values() for pair in t.bundled}
+    kinds = dict.fromkeys(k for k in KINDS if any(k == kind for kind, _ in pairs))
+    return {k: tuple((d, tuple(n for n, t in registry.TARGETS.items() if (k, d) in t.bundled))
+                     for d in TOLERANCE if (k, d) in pairs) for k in kinds}
+
+
+KINDS = ("attention", "block", "lm")
 DECODE_STEPS = 4  # right after the first prefill chunk; the decode goldens add one at the window's last row
+MASK_VALUE = registry.NPU_MASK_VALUE  # the npu graphs' (the bundle README's prose speaks of them)
 CHAT, GREEDY_TOKENS = "What is the capital of France?", 32  # the whole model's answer each runtime gives, in README
 
 
@@ -99,7 +107,7 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     `half`: the model in fp16, run on every golden too: per step graph, {output: the worst max_rel it measures against
     eager fp32 there} (what fp16 costs the model on those inputs: metrics.fp16_tolerance), else None."""
     reference, np_dtype = reference_model(model), "float16" if config.dtype == "fp16" else "float32"
-    b, w, lm, npu = config.batch, config.capacity, kind == "lm", target.startswith("npu")
+    b, w, lm, npu = config.batch, config.capacity, kind == "lm", registry.target(target).cache == registry.HOST
     x = _sequence(config, kind, seed)
     names, outs = input_names(config, kind), output_names(config, kind)
     ids = "int32" if npu else "int64"
@@ -124,7 +132,7 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
             feeds = {names[0]: x[:, p0:p0 + n].numpy().astype(ids if lm else np_dtype), "position_ids": pos.numpy().astype(ids)}
             want = {outs[0]: out.numpy()}
             if npu:
-                feeds["attention_mask"] = host_mask(b, w, p0, n, quantize.mask_value(target), np_dtype)
+                feeds["attention_mask"] = host_mask(b, w, p0, n, registry.target(target).mask_value, np_dtype)
                 want |= {new: p[:, :, p0:p0 + n].numpy() for new, p in zip(cache_names(config, kind, ""), presents)}
             else:
                 want |= {name: p.numpy() for name, p in zip(outs[1:], presents)}
@@ -165,7 +173,7 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
     """The bundle entries (and golden files) of one target's two step graphs over `config.capacity` rows; `exported`:
     the manifest they come from; `half`: golden's. An fp16 graph's outputs are each held to what fp16 costs the model
     on that output on its goldens (fp16_tolerance of its eager_fp16_max_rel), as the export held it on its cases."""
-    entries = []
+    entries, scheme = [], registry.target(target).scheme
     goldens, drifts = golden(model, config, target, kind, seed, half)
     for step, steps in goldens.items():
         name = f"{folder}/{step}.{target}{suffix}"
@@ -176,16 +184,16 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
                         # top-1), so it is held as quantize holds a step; the export held those on its prompt set
                         "budget": {"max_rel": quantize.tolerance(target, dtype_tolerance(config.dtype))}
                                   | ({"decided": True} if half is not None and kind == "lm"
-                                     and not quantize.split(target)[1] else {})}
+                                     and not scheme else {})}
                        | ({"eager_fp16_max_rel": drifts[step],
                            "output_budgets": {k: quantize.tolerance(target, dtype_tolerance(config.dtype, d))
                                               for k, d in drifts[step].items()}} if drifts[step] is not None else {})
-                       | ({"quantized": quantize.describe(quantize.split(target)[1])
+                       | ({"quantized": quantize.describe(scheme.name)
                                         | {"float_activations": _float_activations(exported, f"{step}.{target}{suffix}.onnx")}}
-                          if quantize.split(target)[1] else {})
+                          if scheme else {})
                        | ({"host_cache": {"inputs": cache_names(config, kind, "past_"),
                                           "shape": [config.batch, config.num_kv_heads, config.capacity, config.head_dim],
-                                          "mask_value": quantize.mask_value(target)}}
+                                          "mask_value": registry.target(target).mask_value}}
                           if kind == "lm" else {}))
     return entries
 
@@ -221,12 +229,12 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
     with staged_dir(out) as tmp:
         graphs = []
         for kind in kinds:
-            for dtype, targets in VARIANTS[kind]:
+            for dtype, targets in variants()[kind]:
                 c, folder = config.replace(dtype=dtype), f"{kind}-{dtype}"
-                schemes = [quantize.split(t)[1] for t in targets]
+                schemes = [registry.target(t).scheme for t in targets]
                 exported = export_model(c, tmp / folder, kind=kind, seed=seed, windows=ladder, log=lambda *_: None,
                                         targets=tuple(t for t, q in zip(targets, schemes) if not q),
-                                        quant=tuple(q for q in schemes if q), weights=weights)
+                                        quant=tuple(q.name for q in schemes if q), weights=weights)
                 model = build_model(c, kind, seed, weights)
                 half = model if dtype == "fp16" else None  # an fp16 graph is held to what fp16 costs the model
                 for target in targets:
@@ -244,14 +252,13 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
                     g["fp16_drift"] = drift
                 log(f"{kind}: eager PyTorch fp16 against fp32 over {config.capacity} rows: max_rel up to "
                     f"{max(drift.values()):.2e}, {next(iter(drift))} {next(iter(drift.values())):.2e}")
-        for g in (g for g in graphs if g["target"].startswith("npu") and socs):
+        for g in (g for g in graphs if registry.target(g["target"]).cache == registry.HOST and socs):
             compiled = {soc: g["file"].replace(".onnx", f".qnn{soc}.onnx") for soc in socs}
             g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f, fp16=qnn.fp16_precision(g))
                         for soc, f in compiled.items()}
             log(f"compiled {g['file']} for the QNN HTP of SoC {', '.join(map(str, socs))}")
-        profile = lambda g: quantize.lint_profile(g["target"])  # noqa: E731
-        lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], profile(g))],
-                             "notes": [vars(v) for v in lint(tmp / g["file"], profile(g), notes=True)]} for g in graphs}
+        lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], g["target"])],
+                             "notes": [vars(v) for v in lint(tmp / g["file"], g["target"], notes=True)]} for g in graphs}
         if any(lints[g["file"]]["violations"] for g in graphs):
             raise RuntimeError(f"bundle check failed: lint {lints}")
         runtimes = {rt: refusals(tmp, graphs, rt) for rt in available_runtimes(socs)}
@@ -259,7 +266,7 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
             if "lm" in kinds and has_tokenizer(tmp / "lm-fp32") else None
         manifest = {"format": FORMAT, "config": config.to_dict(), "kinds": list(kinds), "windows": list(ladder),
                     "weights": weights or f"random(seed={seed})", **({"greedy": text} if text else {}),
-                    "contract": CONTRACT,
+                    "contract": contract(),
                     "graphs": graphs, "runtimes": runtimes, "lint": "lint.json",
                     "qnn": {"version": qnn.version(), "socs": list(socs), "soc_names": {str(s): qnn.SOC_NAMES.get(s, "")
                                                                                       for s in socs},
@@ -291,8 +298,9 @@ def greedy_texts(bundle: Path, graphs: list[dict], model, runtimes: list[str], l
     want, logits = tokens[0].tolist(), logits[0].detach().float().numpy()
     rows = [{"runtime": "eager PyTorch", "graph": "fp32", "tokens": want}]
     steps = {}
-    for g in (g for g in graphs if g["kind"] == "lm" and g["target"].startswith("npu") and g["window"] == max(
-            x["window"] for x in graphs if x["kind"] == "lm")):
+    widest = max(x["window"] for x in graphs if x["kind"] == "lm")
+    for g in (g for g in graphs
+              if g["kind"] == "lm" and registry.target(g["target"]).cache == registry.HOST and g["window"] == widest):
         steps.setdefault((g["dtype"], g["target"]), {})[g["step"]] = g
     for runtime in runtimes:
         for (dtype, target), pair in steps.items():
@@ -331,36 +339,40 @@ def op_types(path: Path) -> list[str]:
     return sorted({n.op_type for n in onnx.load(path, load_external_data=False).graph.node})
 
 
-CONTRACT = {
-    "npu": {
-        "inputs": "hidden_states [B,T,E]; position_ids [B,T] int32 (p0..p0+T-1); attention_mask [B,1,T,C+T] additive; "
-                  "past_key, past_value [B,Hkv,C,D]",
-        "outputs": "output [B,T,E]; key, value [B,Hkv,T,D]: the step's new rows (K after q/k norm and RoPE)",
-        "mask": f"column j < C: 0 if j < p0 else {MASK_VALUE}; column C+t': 0 for query t if t' <= t else {MASK_VALUE}",
-        "mask_value": MASK_VALUE,
-        "cache_update": "host writes key/value into rows p0..p0+T-1 of its [B,Hkv,C,D] buffers after each step",
-        "rope": "non-interleaved rotate_half; cos/sin gathered in the graph from constant tables by position_ids",
-        "gqa": "query heads grouped as [B,Hkv,(H/Hkv)*T,D] against [B,Hkv,C+T,D]; K/V never repeated",
-        "opset": 17,
-    },
-    "lm_npu": {
-        "inputs": "input_ids [B,T] int32; position_ids [B,T] int32; attention_mask [B,1,T,C+T] additive (one for "
-                  "every layer); past_key.i, past_value.i [B,Hkv,C,D] for each layer i",
-        "outputs": "logits [B,1,V] at the step's last position; key.i, value.i [B,Hkv,T,D]: each layer's new rows",
-        "prompt": "feed a prompt so that its last token is the last row of a step: a partial chunk first (pad its "
-                  "end; the next chunk overwrites those rows), or, shorter than T, all but its last token as one "
-                  "padded chunk and the last token as a decode step",
-        "weights": "weights.data beside the graphs (ONNX external data), shared by prefill and decode",
-        "quantized": f"npu-w8a16: the same step in QDQ form (opset 21), attention_mask entries {quantize.QDQ_MASK_VALUE} "
-                     f"instead of {MASK_VALUE}",
-    },
-    "onnx": {
-        "inputs": "hidden_states [B,T,E]; position_ids [B,T] int64; past_key, past_value [B,Hkv,C,D]",
-        "outputs": "output [B,T,E]; present_key, present_value [B,Hkv,C,D]: past with rows p0..p0+T-1 written; "
-                   "later rows unspecified",
-        "opset": 24,
-    },
-}
+def contract() -> dict:
+    """Each bundled float target's step interface (the registry's), and a host-cache target's whole-model one."""
+    out = {}
+    for name, t in ((n, t) for n, t in registry.TARGETS.items() if t.bundled and t.scheme is None):
+        if t.cache == registry.GRAPH:
+            out[name] = {
+                "inputs": "hidden_states [B,T,E]; position_ids [B,T] int64; past_key, past_value [B,Hkv,C,D]",
+                "outputs": "output [B,T,E]; present_key, present_value [B,Hkv,C,D]: past with rows p0..p0+T-1 "
+                           "written; later rows unspecified",
+                "opset": t.opset}
+            continue
+        mask = t.mask_value
+        out[name] = {
+            "inputs": "hidden_states [B,T,E]; position_ids [B,T] int32 (p0..p0+T-1); attention_mask [B,1,T,C+T] "
+                      "additive; past_key, past_value [B,Hkv,C,D]",
+            "outputs": "output [B,T,E]; key, value [B,Hkv,T,D]: the step's new rows (K after q/k norm and RoPE)",
+            "mask": f"column j < C: 0 if j < p0 else {mask}; column C+t': 0 for query t if t' <= t else {mask}",
+            "mask_value": mask,
+            "cache_update": "host writes key/value into rows p0..p0+T-1 of its [B,Hkv,C,D] buffers after each step",
+            "rope": "non-interleaved rotate_half; cos/sin gathered in the graph from constant tables by position_ids",
+            "gqa": "query heads grouped as [B,Hkv,(H/Hkv)*T,D] against [B,Hkv,C+T,D]; K/V never repeated",
+            "opset": t.opset}
+        quantized = [q for q in registry.TARGETS.values() if q.scheme and q.parent == name and q.bundled]
+        out[f"lm_{name}"] = {
+            "inputs": "input_ids [B,T] int32; position_ids [B,T] int32; attention_mask [B,1,T,C+T] additive (one for "
+                      "every layer); past_key.i, past_value.i [B,Hkv,C,D] for each layer i",
+            "outputs": "logits [B,1,V] at the step's last position; key.i, value.i [B,Hkv,T,D]: each layer's new rows",
+            "prompt": "feed a prompt so that its last token is the last row of a step: a partial chunk first (pad its "
+                      "end; the next chunk overwrites those rows), or, shorter than T, all but its last token as one "
+                      "padded chunk and the last token as a decode step",
+            "weights": "weights.data beside the graphs (ONNX external data), shared by prefill and decode",
+            "quantized": "; ".join(f"{q.name}: the same step in QDQ form (opset {q.opset}), attention_mask entries "
+                                   f"{q.mask_value} instead of {mask}" for q in quantized)}
+    return out
 
 
 FOLDERS = {"attention": "| `attention-fp32/`, `attention-fp16/` | the attention block's `prefill.npu.onnx`, `decode.npu.onnx` (opset 17; "
@@ -413,7 +425,7 @@ def readme(config: AttentionConfig, runtimes: dict, htp: dict, windows: list[int
                 "onnxruntime's QNN execution provider on a device with that chip, and nothing is compiled on the device. "
                 "The HTP runs the float graphs in fp16. They were compiled and checked in QNN's host emulation of the "
                 "HTP, not on a phone.") if htp["socs"] else htp["note"]
-    QDQ_MASK = quantize.QDQ_MASK_VALUE  # noqa: N806
+    QDQ_MASK = registry.QDQ_MASK_VALUE  # noqa: N806
     folders = "\n".join(FOLDERS[k] for k in kinds)
     return f"""# Attention hand-off bundle
 

@@ -65,5 +65,5 @@ def build_manifest(config: AttentionConfig, kind: str, name: str, opset: int, gr
         "sequence_parity": {"reference": "eager PyTorch full-sequence forward without a cache, fp32"
                             + (", at every step of its own greedy continuation (teacher forcing)" if kind == "lm" else ""),
                             "targets": sequence_parity},
-        "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
+        "versions": {m.__name__: m.__version__ for m in (torch, onnx, onnxruntime)},
     }

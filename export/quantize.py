@@ -22,69 +22,24 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
+import registry
 from models import AttentionConfig
 from runtime.drivers import HostCacheGenerator
 from runtime.metrics import Budget
 
 from passes.build import replace_value
 from passes.lint import WEIGHTED
-from passes.lower_npu import MASK_VALUE
 from passes.mixed_precision import BOUNDED_OPS, FLOAT_OPS, METADATA, WIDE_RANGE, reasons
 from passes.quantize_weights import constant_weights, ort_quantization, quiet
 
 
-@dataclass(frozen=True)
-class Scheme:
-    base: str                  # the target it quantizes
-    quantized_steps: tuple     # steps that get the quantized graph (the others keep the base graph)
-    budget: Budget             # against fp32 eager: max_rel for steps and sequences; all of it on the accuracy prompt set
-    what: str
-    lint: str = ""             # the lint profile its graphs are held to (passes/lint.py; "": its base target's)
-
-
-# Budgets from the worst figure measured (random weights, the calibration below; tiny: `export_model(preset('tiny'),
-# kind='lm', quant=...)`, minimind: the same at the minimind preset), with a margin: max_rel about 1.5x (kept well below 1,
-# where an all-zero output sits), KL mean 2-3x, top-1 the measured disagreement about doubled (int4: half the agreement).
-#   int4:  max_rel 0.45 (minimind decode step at p0 = 2047; its accuracy 0.41, sequence 0.30; tiny step 0.28, accuracy
-#          0.41), KL mean 0.043 (minimind accuracy; one step's row 0.074), top-1 50% (minimind; tiny 85%)
-#   int8:  max_rel 0.081 (trained SmolLM2-135M decode step, every window; its sequence 0.022; minimind accuracy 0.056,
-#          step 0.054; tiny 0.048), KL mean 2.9e-3 (SmolLM2-135M on this prompt set, which refused it at 2e-3;
-#          minimind 6.7e-4, tiny 2.9e-4), top-1 88% (minimind; tiny 97%)
-#   w8a16: max_rel 0.24 (minimind decode step over an empty cache; prefill step 0.16, sequence 0.16, accuracy 0.11;
-#          tiny 0.13), KL mean 0.012 (trained SmolLM2-135M at C=2048, mixed precision and text in its calibration:
-#          5.2e-3 on these random-token prompts, steps 0.065-0.088, sequence 0.039; on the benchmark's real
-#          chat/prose/code prompts 0.012, top-1 95%; minimind 1.5e-3, tiny 1.0e-3), top-1 60% (minimind 82%, tiny
-#          96%). Without the mixed precision SmolLM2 measured KL 0.040 here and 0.47 on the real prompts (its residual
-#          stream's massive activations on one 16-bit grid: passes/mixed_precision.py), which this budget still refuses.
-# w8a16's weights stay per output channel, though blocks of 32 along K (DequantizeLinear's blocked form, opset 21) hold a
-# trained model's weights better off the HTP: SmolLM2-135M's weights alone in eager PyTorch KL 2.5e-3 -> 7.0e-4, its
-# w8a16 export on these prompts KL 5.2e-3 -> 1.15e-3 (commit ce13e43, reverted). QNN's HTP takes blocks only by
-# dequantizing them and multiplying in fp16, where per-channel weights multiply the 16-bit activations in integers:
-# the blocked hand-off's prefill golden over 2048 rows measured max_rel 0.567 on SoC 43 (per channel 0.31), past the
-# budget below. (onnxruntime's CPU would also need `session.qdq_matmulnbits_accuracy_level` 0 for blocks: it fuses a
-# blocked DequantizeLinear into MatMulNBits at accuracy level 4, int8 activations, rms logit error 0.83 vs 0.22.)
-_PREFILL = "activations fp32; prefill keeps fp32 weights (measured faster)"
-SCHEMES = {
-    "int4": Scheme("ort", ("decode",), Budget(0.7, kl_mean=0.1, top1=0.25),
-                   "weights int4 in blocks of 32 with a scale and a minimum each (llama.cpp's Q4_1 grid; MatMulNBits plus "
-                   "each block's input sum times its minimum), the lm_head int8 symmetric in blocks of 32 (Q8_0), "
-                   f"accuracy level 4; {_PREFILL}"),
-    "int8": Scheme("ort", ("decode",), Budget(0.1, kl_mean=6e-3, top1=0.75),
-                   f"weights int8 symmetric in blocks of 32 (llama.cpp's Q8_0 grid; MatMulNBits, accuracy level 4); {_PREFILL}"),
-    "w8a16": Scheme("npu", ("prefill", "decode"), Budget(0.4, kl_mean=0.012, top1=0.6),
-                    "QDQ: weights int8 symmetric per output channel, activations uint16 asymmetric per tensor, "
-                    f"MinMax-calibrated; an activation whose range passes +-{WIDE_RANGE:g} stays float, and so do "
-                    "attention probabilities and norms' means of squares (mixed precision)", lint="qdq"),
-}
-QDQ_OPSET = 21
-QDQ_MASK_VALUE = -100.0
+SCHEMES = {name: t.scheme for name, t in registry.schemes().items()}  # the registry's schemes, by name
 CALIBRATION_PROMPTS = 12
 FIRST_TOKEN_PROMPTS = 4
 CALIBRATION_DECODE_STEPS = 8
@@ -110,38 +65,28 @@ class QuantError(ValueError):
 def parse(quant: str | None) -> tuple[str, ...]:
     """'int4,w8a16' -> ('int4', 'w8a16'); 'none' or empty -> ()."""
     names = tuple(dict.fromkeys(q.strip() for q in (quant or "").split(",") if q.strip() and q.strip() != "none"))
-    unknown = [n for n in names if n not in SCHEMES]
+    unknown = [n for n in names if n not in registry.schemes()]
     if unknown:
-        raise QuantError(f"--quant: unknown scheme(s) {unknown}; expected a comma-separated list of {', '.join(SCHEMES)} or none")
+        raise QuantError(f"--quant: unknown scheme(s) {unknown}; expected a comma-separated list of "
+                         f"{', '.join(registry.schemes())} or none")
     return names
 
 
 def target(scheme: str) -> str:
-    return f"{SCHEMES[scheme].base}-{scheme}"
+    """The target a scheme makes: int4 -> ort-int4."""
+    return registry.quantized_by(scheme).name
 
 
 def split(target: str) -> tuple[str, str]:
-    """'ort-int4' -> ('ort', 'int4'); a float target's scheme is ''."""
-    base, _, scheme = target.partition("-")
-    return base, scheme
-
-
-def lint_profile(target: str) -> str:
-    """The passes/lint.py profile a graph of `target` is held to: its scheme's, else its base target's."""
-    base, scheme = split(target)
-    return SCHEMES[scheme].lint or base if scheme else base
-
-
-def mask_value(target: str) -> float:
-    """The npu graphs' masked-score value: -30000 (finite in fp16), -100 in QDQ graphs, whose 16-bit scores after the
-    mask would otherwise step by 0.5 (exp(-100) is as good as zero next to any visible score)."""
-    return QDQ_MASK_VALUE if split(target)[1] else MASK_VALUE
+    """'ort-int4' -> ('ort', 'int4'): the float target its graphs come from, and its scheme ('' for a float target)."""
+    t = registry.target(target)
+    return registry.base(target), t.scheme.name if t.scheme else ""
 
 
 def budget(target: str, float_tolerance: float) -> Budget:
     """What a graph of `target` is held to against eager fp32: its scheme's budget, or the float tolerance."""
-    scheme = split(target)[1]
-    return SCHEMES[scheme].budget if scheme else Budget(float_tolerance)
+    scheme = registry.target(target).scheme
+    return scheme.budget if scheme else Budget(float_tolerance)
 
 
 def step_budget(budget: Budget) -> Budget:
@@ -164,8 +109,9 @@ def tolerance(target: str, float_tolerance: float) -> float:
 
 
 def describe(scheme: str) -> dict:
-    s = SCHEMES[scheme]
-    return {"scheme": scheme, "base": s.base, "what": s.what, "budget_max_rel": s.budget.max_rel,
+    t = registry.quantized_by(scheme)
+    s = t.scheme
+    return {"scheme": scheme, "base": t.parent, "what": s.what, "budget_max_rel": s.budget.max_rel,
             "budget_kl_mean": s.budget.kl_mean, "budget_top1": s.budget.top1, "quantized_steps": list(s.quantized_steps)}
 
 
@@ -243,13 +189,13 @@ def _runs(driver: HostCacheGenerator, inputs: list[np.ndarray], kind: str) -> It
             yield
 
 
-def qdq(model: ir.Model, feeds: Iterable[dict]) -> tuple[ir.Model, int, dict[str, dict]]:
+def qdq(model: ir.Model, feeds: Iterable[dict], opset: int) -> tuple[ir.Model, int, dict[str, dict]]:
     """The float npu graph `model` in QDQ form (w8a16), activation ranges from `feeds` (widened); how many feeds it
     read; and the activations it left float, each with its reason (passes/mixed_precision.py)."""
     q = ort_quantization()
     constant_weights(model)  # so the tied lm_head is quantized as a weight (per channel), not as an activation
     readers = _wide_constant_readers(model)
-    proto = onnx.version_converter.convert_version(ir.serde.serialize_model(model), QDQ_OPSET)
+    proto = onnx.version_converter.convert_version(ir.serde.serialize_model(model), opset)
     with tempfile.TemporaryDirectory(prefix="qdq-") as tmp, quiet():
         src, dst, cache = f"{tmp}/float.onnx", f"{tmp}/qdq.onnx", f"{tmp}/ranges.json"
         onnx.save(proto, src, save_as_external_data=True, location="float.data")

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from registry import STEPS
+
 from .config import AttentionConfig
 
 INPUTS = ("hidden_states", "position_ids", "past_key", "past_value")
 OUTPUTS = ("output", "present_key", "present_value")
-STEPS = ("prefill", "decode")
 
 
 def step_len(config: AttentionConfig, step: str) -> int:

@@ -1,4 +1,4 @@
-"""python -m passes IN.onnx OUT.onnx --target {raw,onnx,ort,npu,ort-int4,ort-int8}: rewrite one ONNX file for a target."""
+"""python -m passes IN.onnx OUT.onnx --target TARGET: rewrite one ONNX file for a target (registry.py names them)."""
 from __future__ import annotations
 
 import argparse
@@ -8,12 +8,13 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+import registry
 from runtime.cli import Parser, run
 
 from .fix_dims import FixDimsError, check_pins, parse_pins
 from .leftovers import FUSED_OPS, unfused_attention
 from .model_io import check_writable, load, save_atomic
-from .pipeline import TARGETS, WEIGHT_ONLY, run_pipeline
+from .pipeline import run_pipeline
 from .verify import compare, run_check
 
 
@@ -27,15 +28,14 @@ def _pins(text: str) -> dict[str, int]:
 def parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m passes",
-        description="Run a target's pass pipeline on an ONNX file: raw (cleanup only), onnx (standard opset-24 "
-                    "Attention, TensorScatter, RMSNormalization), ort (onnxruntime GroupQueryAttention, "
-                    "SimplifiedLayerNormalization), npu (opset-17 static primitives, host-owned cache and mask). "
+        description="Run a target's pass pipeline on an ONNX file: " + "; ".join(
+            f"{t} ({registry.target(t).what})" for t in registry.pipeline_targets()) + ". "
                     "Prints one statistics line per pass. The input is never modified; the output is written "
                     "atomically, only once it loads and runs in onnxruntime, and not at all when a check below fails.")
     p.add_argument("input", help="ONNX file to rewrite")
     p.add_argument("output", help="where to write the rewritten graph")
-    p.add_argument("--target", required=True, choices=TARGETS + tuple(f"ort-{q}" for q in WEIGHT_ONLY),
-                   help="what the attention becomes; ort-int4/ort-int8 also quantize the linear layers' weights")
+    p.add_argument("--target", required=True, choices=registry.pipeline_targets(),
+                   help="what the attention becomes (a quantized target also quantizes the linear layers' weights)")
     p.add_argument("--fix-dims", type=_pins, default={}, metavar="NAME=VALUE|INPUT.AXIS=VALUE,...",
                    help="pin symbolic dims by name (e.g. batch_size=1,sequence_length=128); names that say batch, "
                         "sequence, past or total length get defaults (1, 128, 128, past + sequence), reported. A dim "
@@ -59,10 +59,12 @@ def main(argv=None) -> int:
 
 
 def rewrite(args) -> int:
-    if args.verify and args.target == "npu":
-        raise ValueError("--verify runs the graph before and after on the same feeds, but the npu target changes the "
-                         "step's inputs and outputs; expected --target raw/onnx/ort (make export checks npu graphs "
-                         "against eager PyTorch through the host-cache driver)")
+    if args.verify and registry.target(args.target).cache == registry.HOST:
+        keeps = [t for t in registry.pipeline_targets() if registry.target(t).cache == registry.GRAPH]
+        raise ValueError(f"--verify runs the graph before and after on the same feeds, but the {args.target} target "
+                         "changes the step's inputs and outputs (its cache is the host's); expected a target whose "
+                         f"graph keeps its cache, {'/'.join(keeps)} (make export checks host-cache graphs against eager "
+                         "PyTorch through the host-cache driver)")
     check_writable(args.output)
     if args.report:
         check_writable(args.report, "report")
@@ -72,7 +74,8 @@ def rewrite(args) -> int:
     report.update(input=str(args.input), output=str(args.output))
     failures = []
     report["unfused"] = _unfused(model, report["passes"], args.target)
-    report["fused_ops"] = sum((n.domain, n.op_type) in FUSED_OPS for n in model.graph) if args.target != "npu" \
+    host = registry.target(args.target).cache == registry.HOST
+    report["fused_ops"] = sum((n.domain, n.op_type) in FUSED_OPS for n in model.graph) if not host \
         else _lowered(report["passes"])
     for left in report["unfused"]:
         print(f"unfused: {left['op']} {left['node']}: {left['reason']}")
@@ -106,11 +109,11 @@ def rewrite(args) -> int:
 def _budget(target: str):
     """A quantized target's outputs are held to its scheme's step budget; float targets' to their dtype's tolerance
     (passes/verify.py)."""
-    scheme = target.partition("-")[2]
-    if not scheme:
+    scheme = registry.target(target).scheme
+    if scheme is None:
         return None
-    from export.quantize import SCHEMES, step_budget  # torch and the exporter: only for the quantized targets
-    return step_budget(SCHEMES[scheme].budget)
+    from export.quantize import step_budget  # torch and the exporter: only for the quantized targets
+    return step_budget(scheme.budget)
 
 
 def _lowered(reports: list[dict]) -> int:
@@ -118,8 +121,8 @@ def _lowered(reports: list[dict]) -> int:
 
 
 def _unfused(model: ir.Model, reports: list[dict], target: str) -> list[dict]:
-    """What is left unfused; for npu, a graph the lowering refused is left whole, with the reason."""
-    if target != "npu":
+    """What is left unfused; for a host-cache target, a graph the lowering refused is left whole, with the reason."""
+    if registry.target(target).cache != registry.HOST:
         return unfused_attention(model, reports)
     if _lowered(reports):
         return []

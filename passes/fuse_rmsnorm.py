@@ -1,9 +1,9 @@
 """fuse_rmsnorm: x * rsqrt(mean(x^2) + eps) * w  ==>  one normalization op.
 
 The pattern (with or without fp32 Casts around it) is onnxscript's, a well-kept rule set;
-this pass picks the op per target: ONNX `RMSNormalization` (opset 23+) for `onnx`,
-onnxruntime's `SimplifiedLayerNormalization` for `ort`, where a residual Add in front of
-the norm (the decoder block's) also folds into `SkipSimplifiedLayerNormalization`.
+this pass picks the op: ONNX `RMSNormalization` (opset 23+), or for a target of onnxruntime's
+contrib ops `SimplifiedLayerNormalization`, where a residual Add in front of the norm (the
+decoder block's) also folds into `SkipSimplifiedLayerNormalization`.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from .base import GraphPass
 class FuseRMSNorm(GraphPass):
     name = "fuse_rmsnorm"
 
-    def __init__(self, target: str):
+    def __init__(self, contrib: bool):
         super().__init__()
-        self.target = target
+        self.contrib = contrib  # onnxruntime's contrib op (com.microsoft) rather than the standard one
 
     def run(self, model: ir.Model) -> bool:
-        if self.target == "ort":
+        if self.contrib:
             self.stats["fused"] = ort_rms.fuse_rms_normalization(model)
             self.stats["skip_fused"] = ort_skip.fuse_skip_rms_normalization(model)
         else:

@@ -27,9 +27,9 @@ class FuseRoPE(FusionPass):
     name = "fuse_rope"
     candidate_ops = ("Add",)
 
-    def __init__(self, target: str):
+    def __init__(self, contrib: bool):
         super().__init__()
-        self.target = target
+        self.contrib = contrib  # onnxruntime's contrib op (com.microsoft) rather than the standard one
 
     def fuse(self, model: ir.Model, node: ir.Node) -> None:
         x, cos, sin, interleaved = _match(node)
@@ -49,7 +49,7 @@ class FuseRoPE(FusionPass):
             pos = b.const(np.broadcast_to(np.arange(length, dtype=np.int64), (batch, length)).copy(), "positions")
         elif pos.dtype != ir.DataType.INT64:
             pos = b.op("Cast", [pos], [batch, length], ir.DataType.INT64, to=int(ir.DataType.INT64))
-        if self.target == "ort":
+        if self.contrib:
             rotated = b.op("RotaryEmbedding", [flat, pos, cos_v, sin_v], [batch, length, heads * dim], dtype,
                            domain="com.microsoft", num_heads=heads, interleaved=int(interleaved))
         else:
@@ -60,7 +60,7 @@ class FuseRoPE(FusionPass):
         if layout == "BHTD":
             out = b.op("Transpose", [out], shape, dtype, perm=[0, 2, 1, 3])
         replace_value(node.outputs[0], out)
-        if self.target == "ort":
+        if self.contrib:
             model.opset_imports.setdefault("com.microsoft", 1)
 
 

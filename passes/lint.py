@@ -1,21 +1,22 @@
-"""python -m passes.lint FILE.onnx --profile {npu,onnx,ort} [--json]: what a toolchain will reject.
+"""python -m passes.lint FILE.onnx --profile {static,static-qdq,standard,contrib,TARGET} [--json]: what a toolchain
+will reject. A target's name (registry.py) picks the profile its graphs are held to.
 
 Each profile is a list of rules; every violation is printed with the rule, node and op,
-and the exit status is 1 if there is any. `npu` is what NPU compilers (QNN, OpenVINO NPU,
+and the exit status is 1 if there is any. `static` is what NPU compilers (QNN, OpenVINO NPU,
 Vitis AI) accept: opset 17, static shapes, no control flow, no shape-computing, scatter
 (QNN's HTP has none) or repeat ops, no computed Reshape, int32 integer inputs, no boolean
 inputs (QNN refuses a boolean attention mask: it wants an additive float one), no
-infinities. A quantized (QDQ) npu graph also keeps what QNN, OpenVINO and Vitis AI state for
+infinities. A quantized (QDQ) graph also keeps what QNN, OpenVINO and Vitis AI state for
 QDQ models: 16-bit activations at opset 21 (where 16-bit QuantizeLinear is standard; 17
 otherwise), MatMul/Gemm/Conv weights int8 with zero point 0 and positive scales behind a
 DequantizeLinear (symmetric weights), every compute op between DequantizeLinear and
 QuantizeLinear (no float islands, which the HTP would run in fp16 or refuse), but for the
 activations the graph declares float (mixed precision, a note), each for a reason lint re-checks on the graph
 (passes/mixed_precision.py), whose matmuls keep float weights (QNN refuses a per-channel DequantizeLinear outside a
-quantized group). The `qdq` profile, a quantized npu target's, also wants the graph quantized: Q/DQ present and at
-most passes.mixed_precision.MAX_FLOAT_WEIGHTS of its matmul weights float. `onnx` and
-`ort` check what their targets promise: static shapes and every
-attention fused, without a K/V repeat; `onnx` also standard domains only at opset 24.
+quantized group). The `static-qdq` profile, a quantized target's, also wants the graph quantized: Q/DQ present and at
+most passes.mixed_precision.MAX_FLOAT_WEIGHTS of its matmul weights float. `standard` and
+`contrib` check what their targets promise: static shapes and every
+attention fused, without a K/V repeat; `standard` also standard domains only at opset 24.
 
 Notes are what a toolchain needs told rather than errors, printed without failing: on the
 npu profile, a float table gathered by integer positions (RoPE's cos/sin) compiles for
@@ -24,6 +25,7 @@ there in fp16; so do a QDQ graph's declared float activations.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -240,20 +242,31 @@ NPU = [npu_opset, static_shapes, forbidden("control-flow", CONTROL_FLOW), forbid
        forbidden("scatter", SCATTER_OPS), forbidden("repeat", REPEAT_OPS), computed_reshape, int32_inputs,
        no_bool_inputs, finite_constants, standard_domains, qdq_weights, qdq_complete, float_justified]
 PROFILES = {
-    "npu": NPU,
-    "qdq": NPU + [qdq_present],  # a quantized npu target's graph (npu-w8a16)
-    "onnx": [opset(24), static_shapes, standard_domains, attention_fused],
-    "ort": [static_shapes, attention_fused],
+    "static": NPU,
+    "static-qdq": NPU + [qdq_present],  # a quantized host-cache target's graph
+    "standard": [opset(24), static_shapes, standard_domains, attention_fused],
+    "contrib": [static_shapes, attention_fused],
 }
 
 
-NOTES = {"npu": [fp32_tables, mixed_precision], "qdq": [fp32_tables, mixed_precision], "onnx": [], "ort": []}
+NOTES = {"static": [fp32_tables, mixed_precision], "static-qdq": [fp32_tables, mixed_precision], "standard": [],
+         "contrib": []}
+
+
+def profile_of(name: str) -> str:
+    """A profile's name, or the profile a target's graphs are held to (registry.py)."""
+    if name in PROFILES:
+        return name
+    import registry
+    if name in registry.TARGETS and registry.target(name).lint:
+        return registry.target(name).lint
+    held = [t for t, e in registry.TARGETS.items() if e.lint]
+    raise ValueError(f"unknown profile {name!r}: expected one of {', '.join(PROFILES)} or a target ({', '.join(held)})")
 
 
 def lint(path: str | Path, profile: str, notes: bool = False) -> list[Violation]:
-    """The profile's violations (with `notes`, its notes instead)."""
-    if profile not in PROFILES:
-        raise ValueError(f"unknown profile {profile!r}: expected one of {', '.join(PROFILES)}")
+    """The profile's violations (with `notes`, its notes instead); a target's name picks its profile."""
+    profile = profile_of(profile)
     model = load(path, map_weights=True)  # read whole, a model's weights took 3x their size (onnx.load, the checker)
     return [v for rule in (NOTES if notes else PROFILES)[profile] for v in rule(model, path)]
 
@@ -261,9 +274,17 @@ def lint(path: str | Path, profile: str, notes: bool = False) -> list[Violation]
 def main(argv=None) -> int:
     p = Parser(prog="python -m passes.lint", description=__doc__.split("\n\n")[0])
     p.add_argument("file", help="ONNX file to check")
-    p.add_argument("--profile", required=True, choices=sorted(PROFILES), help="which toolchain's rules")
+    p.add_argument("--profile", required=True, type=_profile, metavar="PROFILE|TARGET",
+                   help=f"which toolchain's rules: {', '.join(PROFILES)}, or a target's name for its profile")
     p.add_argument("--json", metavar="FILE", help="also write the violations as JSON")
     return run(_report, p.parse_args(argv), status=2)
+
+
+def _profile(name: str) -> str:
+    try:
+        return profile_of(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _report(args) -> int:

@@ -14,7 +14,7 @@ The NPU step (what QNN, OpenVINO NPU and Vitis AI compile):
   causal.py) becomes attention over Concat(past, new): query heads are grouped as
   [B, Hkv, rep*T, D] against [B, Hkv, C+T, D], so K/V are never repeated, soft-capping
   (cap * tanh(s / cap)) comes before the mask as in the op, and the mask is the
-  `attention_mask` input, whose values the host fills with 0 or MASK_VALUE (finite and
+  `attention_mask` input, whose values the host fills with 0 or the target's mask value (registry.py) (finite and
   fp16-safe: a fully masked row stays finite). The new K/V rows become the
   outputs `key`/`value`; the host writes them into its cache at the step's positions.
   A layer that attends within a sliding window W (checked by the same evaluation) takes
@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+import registry
 from runtime.drivers import mask_input_name
 
 from .analysis import attr, const, static_shape
@@ -38,8 +39,7 @@ from .build import Builder, replace_value
 from .causal import cache_writes, check_cache_writes
 from .model_io import structure
 
-MASK_VALUE = -30000.0
-OPSET = 17
+OPSET = registry.NPU_OPSET
 
 
 # Reductions whose axes were an attribute up to opset 17 (an input from 18 on).

@@ -11,59 +11,28 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+import registry
+
 from .base import NotFused, failure, node_count
-from .cleanup import Cleanup
-from .einsum_to_matmul import EinsumToMatMul
-from .fix_dims import FixDims
-from .fuse_attention import FuseAttention
-from .fuse_cache_write import FuseCacheWrite
-from .fuse_rmsnorm import FuseRMSNorm
-from .fold_rope_gqa import FoldRoPEIntoGQA
-from .fuse_rope import FuseRoPE
-from .lower_gqa import LowerToGQA
-from .lower_npu import LowerNPU
-from .pack_matmuls import PackMatMuls
-from .pack_qkv import PackQKV
-from .quantize_blocks import QuantizeBlocks
-from .upgrade_opset import UpgradeOpset
 
-OPSET = 24
-
-
-def _own_passes(fix_dims: dict[str, int] | None) -> dict[str, tuple[str | None, list]]:
-    """Each target's parent and the passes it adds to the parent's: a target's pipeline is its parent's, then these."""
-    def fuse(flavour):
-        return [UpgradeOpset(OPSET), EinsumToMatMul(), FuseRMSNorm(flavour), FuseRoPE(flavour), FuseAttention(),
-                FuseCacheWrite(), Cleanup()]
-    own = {
-        "raw": (None, [FixDims(fix_dims or {}), Cleanup()]),
-        "onnx": ("raw", fuse("onnx")),
-        "ort": ("raw", fuse("ort") + [LowerToGQA(), Cleanup(), FoldRoPEIntoGQA(), PackMatMuls(), PackQKV(), Cleanup()]),
-        "npu": ("onnx", [LowerNPU(), Cleanup()]),
-    }
-    return own | {f"ort-{scheme}": ("ort", [quantizer()]) for scheme, quantizer in WEIGHT_ONLY.items()}
+TARGETS = registry.float_targets()  # what an export makes unless told (registry.py)
 
 
 def lineage(target: str) -> list[str]:
-    """The targets whose passes make `target`'s, first to last: ort-int4 -> [raw, ort, ort-int4]."""
-    own = _own_passes(None)
-    if target not in own:
-        raise ValueError(f"unknown target {target!r}: expected one of {', '.join(own)}")
-    return (lineage(own[target][0]) if own[target][0] else []) + [target]
+    """The targets whose passes make `target`'s, first to last: ort-int4 -> [raw, ort, ort-int4]; a target the
+    pipelines make (registry.pipeline_targets: the float ones, and those whose scheme is a pass)."""
+    if target not in registry.pipeline_targets():
+        raise ValueError(f"unknown target {target!r}: expected one of {', '.join(registry.pipeline_targets())}")
+    return registry.lineage(target)
+
+
+def _own(target: str, fix_dims: dict[str, int] | None) -> list:
+    return registry.target(target).passes(fix_dims or {})
 
 
 def passes_for(target: str, fix_dims: dict[str, int] | None = None) -> list:
     """The target's passes; `fix_dims` pins symbolic dims by name (see fix_dims.py)."""
-    own = _own_passes(fix_dims)
-    return [p for t in lineage(target) for p in own[t][1]]
-
-
-TARGETS = ("raw", "onnx", "ort", "npu")
-# Weight-only schemes of the ort target (quantize_blocks.py), chosen by measurement on this machine's CPU
-# (docs/quantization.md): int4 in blocks of 32 with a scale and a minimum each (a trained checkpoint's Q4_1 weights held
-# exactly; the lm_head int8), int8 symmetric in blocks of 32 (SmolLM2-135M's decode step: KL 0.0036 where onnxruntime's
-# blocks of 128 measured 0.020, 7% slower); accuracy level 4 (int8 compute; level 0 makes int4 3x and int8 30x slower).
-WEIGHT_ONLY = {"int4": lambda: QuantizeBlocks(4, accuracy_level=4), "int8": lambda: QuantizeBlocks(8, accuracy_level=4)}
+    return [p for t in lineage(target) for p in _own(t, fix_dims)]
 
 
 def run_pipeline(model: ir.Model, target: str, dump_dir: str | Path | None = None, log=None,
@@ -76,12 +45,12 @@ def run_pipelines(model: ir.Model, targets, fix_dims: dict[str, int] | None = No
     """{target: (its graph, its report)} for each of `targets`, from `model` (left as it is), each pass a lineage
     shares run once: raw's passes begin every target's, onnx's npu's, ort's its quantized targets'; a branch goes on
     from a clone of its parent's graph (weights shared). The same graphs and reports as run_pipeline per target."""
-    own, done = _own_passes(fix_dims), {}
+    done = {}
     for target in dict.fromkeys(t for target in targets for t in lineage(target)):
-        parent = own[target][0]
+        parent = registry.target(target).parent
         graph = _branch(done[parent][0] if parent else model)
         done[target] = (graph, {"target": target, "passes": (done[parent][1]["passes"] if parent else [])
-                                + _run(graph, own[target][1])})
+                                + _run(graph, _own(target, fix_dims))})
     return {t: done[t] for t in targets}
 
 

@@ -20,11 +20,10 @@ import re
 import numpy as np
 import onnxruntime as ort
 
-from runtime.metrics import Budget, error, logit_error, why_not
+from runtime.metrics import Budget, error, logit_error, numpy_tolerance, why_not
 
 from .fix_dims import dim_value
 
-TOLERANCE = {np.dtype("float32"): 1e-4, np.dtype("float16"): 1e-2, np.dtype("float64"): 1e-9}
 _NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
           "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
@@ -106,7 +105,7 @@ def compare(before, after, seed: int = 0, budget: Budget | None = None) -> dict:
     for name, r, g in zip(names, ref, got):
         if name.startswith("present") and last is not None and r.ndim >= 3:
             r, g = r[:, :, : last + 1], g[:, :, : last + 1]
-        held = budget or Budget(TOLERANCE.get(r.dtype, 0.0))
+        held = budget or Budget(numpy_tolerance(r.dtype))
         err = (logit_error if name == "logits" else error)(g, r)  # NaN where `before` has it too is not the rewrite's
         why = why_not(err, held)
         results[name] = {**err, "tolerance": held.max_rel, "ok": why is None, "why": why}

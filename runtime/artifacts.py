@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import registry
+
 from .drivers import Driver, Generator, HostCacheGenerator
 from .session import StepSession
 from .shared_weights import SharedWeights
@@ -37,8 +39,10 @@ def windows(manifest: dict, target: str | None = None) -> list[int]:
                    if "window" in g and g["target"] == (target or g["target"])}) or [manifest["config"]["capacity"]]
 
 
-def graph_entry(manifest: dict, step: str, target: str = "raw", window: int | None = None) -> dict:
-    """The step's graph for `target` over `window` cache rows (default: the capacity)."""
+def graph_entry(manifest: dict, step: str, target: str | None = None, window: int | None = None) -> dict:
+    """The step's graph for `target` (default: the registry's root, raw) over `window` cache rows (default: the
+    capacity)."""
+    target = target or registry.root()
     window = window or windows(manifest, target)[-1]
     for g in manifest.get("graphs", []):
         if g["step"] == step and g["target"] == target and g.get("window", window) == window:
@@ -49,7 +53,7 @@ def graph_entry(manifest: dict, step: str, target: str = "raw", window: int | No
                         f"expected one of {have}")
 
 
-def open_step(folder: str | Path, step: str, target: str = "raw", window: int | None = None,
+def open_step(folder: str | Path, step: str, target: str | None = None, window: int | None = None,
               manifest: dict | None = None, **session_options) -> StepSession:
     """A session for one graph, its feeds checked against the manifest's I/O specs (`manifest`: the folder's)."""
     g = graph_entry(manifest or load_manifest(folder), step, target, window)
@@ -68,7 +72,7 @@ def reads_live_rows_only(manifest: dict, target: str) -> bool:
     return bool(graphs) and all(lowered(g) for g in graphs)
 
 
-def open_generator(folder: str | Path, target: str = "raw", ladder: bool = True, manifest: dict | None = None,
+def open_generator(folder: str | Path, target: str | None = None, ladder: bool = True, manifest: dict | None = None,
                    **session_options) -> Driver:
     """A generation driver (host-cache for `npu`) over one target's prefill and decode graphs: over the export's
     window ladder (each larger window opened when a step first needs it), or with `ladder=False` over the
@@ -76,7 +80,7 @@ def open_generator(folder: str | Path, target: str = "raw", ladder: bool = True,
     than SHARE_ABOVE bytes of weights, the sessions read them through one mapping, unless `weights` says otherwise; a
     target whose attention reads only the rows in use then runs over the capacity's graphs alone, its decode session
     pre-packing the weights: a copy per window's session is what the mapping avoids."""
-    manifest = manifest or load_manifest(folder)
+    manifest, target = manifest or load_manifest(folder), target or registry.root()
     sizes = windows(manifest, target) if ladder else windows(manifest, target)[-1:]
     large = manifest.get("weights", {}).get("bytes", 0) > SHARE_ABOVE
     if large:
@@ -86,7 +90,7 @@ def open_generator(folder: str | Path, target: str = "raw", ladder: bool = True,
     prepack = large and len(sizes) == 1  # one decode session: its one pre-packed copy is what makes decode fast
     opener = lambda w: lambda: tuple(  # noqa: E731
         open_step(folder, step, target, w, manifest, prepack=prepack and step == "decode", **session_options)
-        for step in ("prefill", "decode"))
+        for step in registry.STEPS)
     larger = {w: opener(w) for w in sizes[1:]}
     host = graph_entry(manifest, "decode", target).get("host_cache")
     if host:

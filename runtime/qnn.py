@@ -27,12 +27,14 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from . import metrics
+
 # QNN's soc_model numbers for Snapdragon phones (as QNN and ExecuTorch's Qualcomm backend number them).
 SOC_NAMES = {36: "SM8450 (Snapdragon 8 Gen 1, HTP v69)", 43: "SM8550 (Snapdragon 8 Gen 2, HTP v73)",
              57: "SM8650 (Snapdragon 8 Gen 3, HTP v75)", 69: "SM8750 (Snapdragon 8 Elite, HTP v79)",
              87: "SM8850 (Snapdragon 8 Elite Gen 5, HTP v81)"}
 SOCS = (43, 57, 69)
-TOLERANCE = 1e-2  # what the HTP runs in: fp16
+TOLERANCE = metrics.TOLERANCE["fp16"]  # what the HTP runs in
 # The HTP rounds every intermediate to fp16 where PyTorch's fp16 model keeps norms and softmax in fp32 and its CPU half
 # kernels accumulate in fp32 (SmolLM2's decode goldens: eager fp16 3.4e-3 against fp32, its fp32 graph on the HTP
 # 1.6e-2, its fp16 graph 1.9e-2): so a float graph on the HTP is held to runtime.metrics.fp16_tolerance of what fp16

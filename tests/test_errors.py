@@ -141,7 +141,7 @@ def test_killed_export_leaves_the_old_folder_whole(tmp_path):
     (["export", "--preset", "nope"], "error: argument --preset: invalid choice: 'nope'"),
     (["export", "--heads", "two"], "error: argument --heads: invalid int value: 'two'"),
     (["passes", "a.onnx", "b.onnx", "--target", "tpu"], "error: argument --target: invalid choice: 'tpu'"),
-    (["passes.lint", "a.onnx", "--profile", "qnn"], "error: argument --profile: invalid choice: 'qnn'"),
+    (["passes.lint", "a.onnx", "--profile", "qnn"], "error: argument --profile: unknown profile 'qnn'"),
     (["runtime.verify"], "error: the following arguments are required: bundle"),
     (["export.handoff", "--kinds", "mlp"], "error: argument --kinds: invalid choice: 'mlp'"),
     (["runtime.generate", "x", "--prompt-ids", "1", "--target", "tpu"], "error: argument --target: invalid choice"),

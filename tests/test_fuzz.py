@@ -22,11 +22,11 @@ import pytest
 
 import passes.__main__
 from passes.__main__ import main
-from passes.lower_npu import MASK_VALUE
+from registry import NPU_MASK_VALUE as MASK_VALUE
 from passes.model_io import check
-from passes.verify import TOLERANCE, VerifyError, random_feeds, run_check
+from passes.verify import VerifyError, random_feeds, run_check
 from runtime.drivers import host_mask
-from runtime.metrics import error, why_not
+from runtime.metrics import error, numpy_tolerance, why_not
 
 CASES = int(os.environ.get("FUZZ_CASES", "300"))
 SEED = int(os.environ.get("FUZZ_SEED") or secrets.randbelow(2**31))
@@ -134,7 +134,7 @@ def judge(before, after, target: str, seed: int = 0) -> dict[str, str]:
     before, after = _bytes(before), _bytes(after)
     pairs, reference, feeds = (npu_pairs if target == "npu" else plain_pairs)(before, after, seed)
     bad = {name: why for name, (got, ref) in pairs.items()
-           if (why := differs(got, ref, TOLERANCE.get(np.dtype(ref.dtype), 0.0)))}
+           if (why := differs(got, ref, numpy_tolerance(ref.dtype)))}
     if not bad:
         return {}
     moved = conditioning(reference, feeds, list(bad), seed)

@@ -143,11 +143,11 @@ def test_an_all_float_graph_is_not_w8a16(exported, tmp_path):
     """The qdq profile (npu-w8a16's) wants Q/DQ and at most MAX_FLOAT_WEIGHTS of the matmul weights float. Planted:
     the float npu graph labelled w8a16 (through the export, and as a file); the QDQ graph with most weights float."""
     out, m = exported
-    assert lint(out / "decode.npu-w8a16.onnx", "qdq") == []
+    assert lint(out / "decode.npu-w8a16.onnx", "static-qdq") == []
     share = next(p for g in m["graphs"] if g["file"] == "decode.npu-w8a16.onnx" for p in g["passes"]
                  if p["pass"] == "quantize_qdq")["float_share"]
     assert share["matmuls"] > 0 and share["float_weights"] <= MAX_FLOAT_WEIGHTS, share
-    found = lint(out / "decode.npu.onnx", "qdq")
+    found = lint(out / "decode.npu.onnx", "static-qdq")
     assert [v.rule for v in found] == ["qdq-present"] and "expected a QDQ graph" in found[0].message
 
     def float_weights(model):  # every weight's DequantizeLinear folded back to float
@@ -157,13 +157,13 @@ def test_an_all_float_graph_is_not_w8a16(exported, tmp_path):
             q, scale = (onnx.numpy_helper.to_array(init[i]) for i in n.input[:2])
             model.graph.initializer.append(onnx.numpy_helper.from_array((q * scale).astype(np.float32), n.output[0]))
             model.graph.node.remove(n)
-    found = lint(_declare(out / "decode.npu-w8a16.onnx", tmp_path / "floats.onnx", edit=float_weights), "qdq")
+    found = lint(_declare(out / "decode.npu-w8a16.onnx", tmp_path / "floats.onnx", edit=float_weights), "static-qdq")
     assert any(v.rule == "qdq-present" and "100.0% of matmul weights float" in v.message for v in found), found
 
 
 def test_the_export_refuses_a_float_graph_as_w8a16(tmp_path, monkeypatch):
-    """Planted: a quantizer that returns the float graph untouched; the export's lint (profile qdq) refuses it."""
-    monkeypatch.setattr("export.quantize.qdq", lambda model, feeds: (model, sum(1 for _ in feeds), {}))
+    """Planted: a quantizer that returns the float graph untouched; the export's lint (profile static-qdq) refuses it."""
+    monkeypatch.setattr("export.quantize.qdq", lambda model, feeds, opset: (model, sum(1 for _ in feeds), {}))
     with pytest.raises(LintError, match="qdq-present"):
         export_model(preset("tiny"), tmp_path / "out", kind="lm", quant=("w8a16",), targets=("npu",),
                      log=lambda *_: None)

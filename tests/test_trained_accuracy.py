@@ -129,12 +129,12 @@ def test_int4_at_accuracy_level_0_is_the_same_weights_in_fp32_compute(tmp_path):
         torch.from_numpy(prompts[0]), STEPS + 1))]
     out = tmp_path / "lm"
     export_model(config, out, kind="lm", weights=str(folder), targets=("ort",), quant=("int4",), log=lambda *_: None)
-    manifest = bench.level_0(out)
+    manifest = bench.level_0(out, "ort-int4")
     decode = [g for g in manifest["graphs"] if g["target"] == "ort-int4" and g.get("quantized")]
-    assert decode and all(bench.LEVEL_0 in g["file"] for g in decode)
+    assert decode and all("ort-int4-l0" in g["file"] for g in decode) and bench.LEVEL_0["ort-int4-l0"] == "ort-int4"
     for g in decode:
         copy, original = onnx.load(out / g["file"], load_external_data=False), \
-            onnx.load(out / g["file"].replace(bench.LEVEL_0, "ort-int4"), load_external_data=False)
+            onnx.load(out / g["file"].replace("ort-int4-l0", "ort-int4"), load_external_data=False)
         levels = lambda m: {a.i for n in m.graph.node if n.op_type == "MatMulNBits"  # noqa: E731
                             for a in n.attribute if a.name == "accuracy_level"}
         assert levels(copy) == {0} and levels(original) == {4}
