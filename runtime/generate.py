@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import registry
+
 from .artifacts import ArtifactError, load_manifest, open_generator
 from .cli import Parser, run
 from .drivers import Driver
@@ -77,7 +79,7 @@ def generate(driver: Driver, prompt: list[int], max_new_tokens: int, sampling: S
         raise ValueError(f"max_new_tokens={max_new_tokens}; expected at least 1")
     if len(prompt) >= driver.capacity:
         raise ValueError(f"prompt of {len(prompt)} tokens; the cache holds {driver.capacity}, expected a shorter prompt")
-    rng, out, stop = np.random.default_rng(sampling.seed), [], "max_new_tokens"
+    rng, out, stop, steps = np.random.default_rng(sampling.seed), [], "max_new_tokens", []
     driver.reset()
     start = time.perf_counter()
     logits = driver.feed(np.array([prompt], np.int64))
@@ -95,11 +97,15 @@ def generate(driver: Driver, prompt: list[int], max_new_tokens: int, sampling: S
         if driver.position >= driver.capacity:
             stop = "capacity"
             break
+        step = time.perf_counter()
         logits = driver.decode(np.array([[token]], np.int64))
+        steps.append((time.perf_counter() - step) * 1e3)
     end = time.perf_counter()
     decode_s = end - first
     return {"prompt_ids": list(prompt), "generated_ids": out, "stop": stop, "time_to_first_token_ms": (first - start) * 1e3,
             "decode_ms_per_token": decode_s * 1e3 / max(len(out) - 1, 1),
+            "decode_ms_median": float(np.median(steps)) if steps else None,
+            "decode_ms_worst": max(steps, default=None), "decode_ms_steps": steps,
             "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0}
 
 
@@ -113,8 +119,9 @@ def _ids(text: str) -> list[int]:
 def parser() -> Parser:
     p = Parser(prog="python -m runtime.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("folder", help="an export of the whole model (python -m export --kind lm)")
-    p.add_argument("--target", default="ort", choices=("raw", "onnx", "ort", "npu", "ort-int4", "ort-int8", "npu-w8a16"),
-                   help="which graphs run; the quantized ones where the export wrote them (--quant) [ort]")
+    p.add_argument("--target", default=registry.RUN_BY_DEFAULT, choices=tuple(registry.TARGETS),
+                   help="which graphs run; the quantized ones where the export wrote them (--quant) "
+                        f"[{registry.RUN_BY_DEFAULT}]")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-ids", type=_ids, metavar="1,2,3", help="the prompt as token ids")
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as plain text (needs a tokenizer)")
@@ -133,7 +140,8 @@ def parser() -> Parser:
     p.add_argument("--eos", type=_ids, metavar="ID[,ID]", help="end-of-sequence token id(s) [the manifest's, if any]")
     p.add_argument("--provider", default="auto", choices=("cpu", "cuda", "auto"), help="onnxruntime device [auto]")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime threads; 0: all cores [0]")
-    p.add_argument("--json", action="store_true", help="end with one JSON line: generated_ids, tokens_per_s, ...")
+    p.add_argument("--json", action="store_true", help="end with one JSON line: generated_ids, open_ms (opening the "
+                   "model), time_to_first_token_ms, decode_ms_median, decode_ms_worst, decode_ms_steps, tokens_per_s")
     return p
 
 
@@ -159,7 +167,9 @@ def _main(args) -> int:
     vocab = manifest["config"]["vocab_size"]
     if any(not 0 <= t < vocab for t in prompt):
         raise ValueError(f"prompt ids {prompt[:8]}...: expected ids in 0..{vocab - 1}")
+    opening = time.perf_counter()
     driver = open_generator(args.folder, args.target, provider=args.provider, threads=args.threads)
+    open_ms = (time.perf_counter() - opening) * 1e3
     eos = tuple(args.eos if args.eos is not None else manifest["lm"].get("eos_token_ids", []))
     stream = TextStream(tokenizer, eos) if tokenizer is not None else _IdStream()
     result = generate(driver, prompt, args.max_new_tokens, sampling, eos, on_token=stream)
@@ -167,7 +177,7 @@ def _main(args) -> int:
     print(f"{len(result['generated_ids'])} tokens ({result['stop']}): time to first token "
           f"{result['time_to_first_token_ms']:.1f} ms, {result['tokens_per_s']:.1f} tokens/s")
     if args.json:
-        print(json.dumps({"target": args.target, **result}))
+        print(json.dumps({"target": args.target, "open_ms": open_ms, **result}))
     return 0
 
 
