@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+import registry
 from runtime.cli import Parser, run
 
 from .analysis import const
@@ -257,7 +258,6 @@ def profile_of(name: str) -> str:
     """A profile's name, or the profile a target's graphs are held to (registry.py)."""
     if name in PROFILES:
         return name
-    import registry
     if name in registry.TARGETS and registry.target(name).lint:
         return registry.target(name).lint
     held = [t for t, e in registry.TARGETS.items() if e.lint]

@@ -32,12 +32,14 @@ def load(path: str | Path, map_weights: bool = False) -> ir.Model:
         if map_weights:
             model = ir.load(path)
             _check_external_data(model)
-            check(structure(model))
+            light = structure(model)
+            check(light)
         else:
             proto = onnx.load(str(path))
             check(proto)
             model = ir.serde.deserialize_model(proto)
-        check_shapes(structure(model))
+            light = structure(model)
+        check_shapes(light)
         return model
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
