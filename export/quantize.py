@@ -77,12 +77,6 @@ def target(scheme: str) -> str:
     return registry.quantized_by(scheme).name
 
 
-def split(target: str) -> tuple[str, str]:
-    """'ort-int4' -> ('ort', 'int4'): the float target its graphs come from, and its scheme ('' for a float target)."""
-    t = registry.target(target)
-    return registry.base(target), t.scheme.name if t.scheme else ""
-
-
 def budget(target: str, float_tolerance: float) -> Budget:
     """What a graph of `target` is held to against eager fp32: its scheme's budget, or the float tolerance."""
     scheme = registry.target(target).scheme
