@@ -174,14 +174,10 @@ def onnxscript_file(raw_file: str) -> str:
 def onnxscript_generator(folder: Path, **options) -> Generator:
     """optimize_for_ort's graphs over the raw target's window ladder. They keep ScatterElements, so the cache is
     copied each step (no in-place binding), as the raw graphs' is."""
-    manifest = load_manifest(folder)
-
-    def opener(window: int):
-        return lambda: tuple(StepSession(folder / onnxscript_file(graph_entry(manifest, step, root, window)["file"]),
-                                         **options) for step in STEPS)
-    root = registry.root()
-    sizes = windows(manifest, root)
-    return Generator(*opener(sizes[0])(), {w: opener(w) for w in sizes[1:]})
+    manifest, root = load_manifest(folder), registry.root()
+    smallest, *larger = [(w, tuple(StepSession(folder / onnxscript_file(graph_entry(manifest, step, root, w)["file"]),
+                                               **options) for step in STEPS)) for w in windows(manifest, root)]
+    return Generator(*smallest[1], dict(larger))
 
 
 def warm_check(engine: Engine, w: Workload) -> None:

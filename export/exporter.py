@@ -98,8 +98,9 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
             # 1. With the eager model: every graph made and saved, and every output of eager's that a check needs
             saved = _make_graphs(model, config, kind, seed, opset, ladder, ort_targets, tmp, store, eager, progress, log)
             with progress.stage("eager references"):
+                # the capacity alone: what a target runs whose attention reads only the rows in use, and QDQ's
                 eager.sequences = {w: _sequence_reference(model, config, kind, w, seed)
-                                   for w in {ladder} | ({(config.capacity,)} if qdq else set())}
+                                   for w in {ladder, (config.capacity,)}}
                 if quant and kind == "lm":
                     eager.accuracy = accuracy.references(reference_model(model), accuracy.prompt_set(config), config)
             del model

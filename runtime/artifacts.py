@@ -10,11 +10,10 @@ from .drivers import Driver, Generator, HostCacheGenerator
 from .session import StepSession
 from .shared_weights import SharedWeights
 
-# Above this many bytes in the weights file, the sessions read one mapping of it (runtime/shared_weights.py) rather than
-# a pre-packed copy each: a 0.6B model's four windows would hold eight copies, 19 GB. Unpacked, a decode step runs
-# slower (qwen3-0.6b: 95-103 ms against 79), so a target whose attention reads only the rows in use (the ort target's
-# GroupQueryAttention) drops the ladder instead and pre-packs its one decode session. Below it (SmolLM2-135M's file is
-# about 1 GB with every target) the copies fit, and the runtime keeps them.
+# Above this many bytes in the weights file, even a target over one window (two sessions) reads one mapping of it
+# (runtime/shared_weights.py), its decode session alone pre-packing a copy: a 0.6B model's prefill and decode sessions
+# would otherwise hold two pre-packed copies. Below it (SmolLM2-135M's file is about 0.8 GB with every target) each
+# of the two pre-packs its own (unpacked, a 128-row prefill chunk ran 5% slower). A ladder's sessions always share one mapping.
 SHARE_ABOVE = 2 << 30
 
 
@@ -74,25 +73,26 @@ def reads_live_rows_only(manifest: dict, target: str) -> bool:
 
 def open_generator(folder: str | Path, target: str | None = None, ladder: bool = True, manifest: dict | None = None,
                    **session_options) -> Driver:
-    """A generation driver (host-cache for `npu`) over one target's prefill and decode graphs: over the export's
-    window ladder (each larger window opened when a step first needs it), or with `ladder=False` over the
-    capacity's graphs alone. `manifest`: the folder's, unless given (an export checking what it just wrote). Over more
-    than SHARE_ABOVE bytes of weights, the sessions read them through one mapping, unless `weights` says otherwise; a
-    target whose attention reads only the rows in use then runs over the capacity's graphs alone, its decode session
-    pre-packing the weights: a copy per window's session is what the mapping avoids."""
+    """A generation driver (host-cache for `npu`) over one target's prefill and decode graphs, every session open
+    before it returns: over the export's window ladder, or with `ladder=False` over the capacity's graphs alone.
+    `manifest`: the folder's, unless given (an export checking what it just wrote).
+
+    A target whose attention reads only the rows in use runs over the capacity's graphs alone: a ladder would only
+    multiply its sessions. A ladder's sessions read the weights through one mapping (SharedWeights, unless `weights`
+    says otherwise), so its windows hold one copy, not one per session; so do two sessions over more than
+    SHARE_ABOVE bytes, the decode session pre-packing its own."""
     manifest, target = manifest or load_manifest(folder), target or registry.root()
-    sizes = windows(manifest, target) if ladder else windows(manifest, target)[-1:]
+    sizes = windows(manifest, target)
+    if not ladder or reads_live_rows_only(manifest, target):
+        sizes = sizes[-1:]
     large = manifest.get("weights", {}).get("bytes", 0) > SHARE_ABOVE
-    if large:
+    if len(sizes) > 1 or large:
         session_options.setdefault("weights", SharedWeights())
-        if reads_live_rows_only(manifest, target):
-            sizes = sizes[-1:]
-    prepack = large and len(sizes) == 1  # one decode session: its one pre-packed copy is what makes decode fast
-    opener = lambda w: lambda: tuple(  # noqa: E731
-        open_step(folder, step, target, w, manifest, prepack=prepack and step == "decode", **session_options)
-        for step in registry.STEPS)
-    larger = {w: opener(w) for w in sizes[1:]}
+    prepack = len(sizes) == 1  # one decode session: its one pre-packed copy is what makes decode fast
+    sessions = {w: tuple(open_step(folder, step, target, w, manifest, prepack=prepack and step == "decode",
+                                   **session_options) for step in registry.STEPS) for w in sizes}
+    first, larger = sessions.pop(sizes[0]), sessions
     host = graph_entry(manifest, "decode", target).get("host_cache")
     if host:
-        return HostCacheGenerator(*opener(sizes[0])(), host["mask_value"], larger)
-    return Generator(*opener(sizes[0])(), larger)
+        return HostCacheGenerator(*first, host["mask_value"], larger)
+    return Generator(*first, larger)

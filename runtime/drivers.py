@@ -19,36 +19,36 @@ A driver may hold a ladder of windows: the same steps exported over caches of W 
 (the largest the capacity C), each attending over rows 0..W-1 only. Every step runs in the smallest
 window holding its last position; the caches live in one host buffer each, sized for C and laid out
 as [B, Hkv, W, D] for the window in use, so a switch moves the rows in use once and allocates nothing.
-Larger windows' sessions are opened on their first use.
+Every window's sessions are open before the first step (runtime/artifacts.py): a window opened on its first use
+stalled that step by its sessions' open time, about 1.4 s each for SmolLM2-135M.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
 
 from .session import FeedError, StepSession
 
-
-Opener = Callable[[], tuple[StepSession, StepSession]]
+Steps = tuple[StepSession, StepSession]  # one window's (prefill, decode) sessions
 
 
 class Driver:
     """Prompt chunking and decode positions over step sessions; subclasses own the caches."""
 
-    def __init__(self, prefill: StepSession, decode: StepSession, larger: dict[int, Opener] | None = None):
+    def __init__(self, prefill: StepSession, decode: StepSession,
+                 larger: dict[int, Steps] | None = None):
         """`prefill`/`decode`: the sessions of the only window, or of a ladder's smallest; `larger` maps each larger
-        window of the ladder to a function opening its two sessions."""
+        window of the ladder to its (prefill, decode) sessions."""
         first = prefill.inputs[0]
         self.input_name, self.input_dtype = first["name"], np.dtype(first["dtype"])
         self.batch, self.chunk, *self.features = first["shape"]
         self.past = [s["name"] for s in prefill.inputs if s["name"].startswith("past_")]
         self.cache_dtype = np.dtype(prefill.spec(self.past[0])["dtype"])
         self.window = prefill.spec(self.past[0])["shape"][2]
-        self._windows: dict[int, tuple | Opener] = {self.window: (prefill, decode), **(larger or {})}
+        self._windows = {self.window: (prefill, decode), **(larger or {})}
         if min(self._windows) != self.window:
             raise ValueError(f"a ladder's first sessions must be its smallest window; got {self.window}, "
                              f"expected {min(self._windows)}")
@@ -70,8 +70,6 @@ class Driver:
         return self._sessions(self.window)[1]
 
     def _sessions(self, window: int) -> tuple[StepSession, StepSession]:
-        if callable(self._windows[window]):
-            self._windows[window] = self._windows[window]()
         return self._windows[window]
 
     def reset(self) -> None:
@@ -211,7 +209,7 @@ class CacheBuffers:
 
 
 class Generator(Driver):
-    def __init__(self, prefill: StepSession, decode: StepSession, larger: dict[int, Opener] | None = None):
+    def __init__(self, prefill: StepSession, decode: StepSession, larger: dict[int, Steps] | None = None):
         super().__init__(prefill, decode, larger)
         self.device = "cuda" if prefill.on_cuda else "cpu"
         self.in_place = prefill.cache_in_place and decode.cache_in_place
@@ -275,7 +273,7 @@ class HostCacheGenerator(Driver):
     t' <= t. Masked entries hold `mask_value`. The graph returns each cache's new rows (key, or key.i)."""
 
     def __init__(self, prefill: StepSession, decode: StepSession, mask_value: float,
-                 larger: dict[int, Opener] | None = None):
+                 larger: dict[int, Steps] | None = None):
         super().__init__(prefill, decode, larger)
         self.mask_value = mask_value
         self._buffers = CacheBuffers(self)
