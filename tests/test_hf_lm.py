@@ -86,7 +86,8 @@ def test_every_layer_fuses_and_tokens_match_eager(exported, family):
         assert g["attention_fused"] == ("0/2" if g["target"] == "raw" else "2/2"), g["file"]
     for target in TARGETS:
         seq = manifest["sequence_parity"]["targets"][target]
-        assert seq["top1_agreement"] == 1.0 and seq["windows"] == list(ladder(family)), (target, seq)
+        runs_over = list(ladder(family))[-1:] if target == "ort" else list(ladder(family))  # GQA: the capacity alone
+        assert seq["top1_agreement"] == 1.0 and seq["windows"] == runs_over, (target, seq)
     local = LOCAL.get(family, [None, None])  # the manifest says which layers attend within a window
     assert manifest["lm"]["attention"]["windows"] == local, manifest["lm"]["attention"]
     assert manifest["lm"]["attention"]["local_layers"] == [i for i, w in enumerate(local) if w]
