@@ -12,8 +12,8 @@ from .shared_weights import SharedWeights
 
 # Above this many bytes in the weights file, even a target over one window (two sessions) reads one mapping of it
 # (runtime/shared_weights.py), its decode session alone pre-packing a copy: a 0.6B model's prefill and decode sessions
-# would otherwise hold two pre-packed copies. Below it (SmolLM2-135M's file is about 0.8 GB with every target) each
-# of the two pre-packs its own (unpacked, a 128-row prefill chunk ran 5% slower). A ladder's sessions always share one mapping.
+# would otherwise hold two pre-packed copies. Below it each of the two pre-packs its own, since a pre-packed prefill
+# chunk runs faster. A ladder's sessions always share one mapping.
 SHARE_ABOVE = 2 << 30
 
 

@@ -38,8 +38,7 @@ Steps = tuple[StepSession, StepSession]  # one window's (prefill, decode) sessio
 class Driver:
     """Prompt chunking and decode positions over step sessions; subclasses own the caches."""
 
-    def __init__(self, prefill: StepSession, decode: StepSession,
-                 larger: dict[int, Steps] | None = None):
+    def __init__(self, prefill: StepSession, decode: StepSession, larger: dict[int, Steps] | None = None):
         """`prefill`/`decode`: the sessions of the only window, or of a ladder's smallest; `larger` maps each larger
         window of the ladder to its (prefill, decode) sessions."""
         first = prefill.inputs[0]
@@ -69,7 +68,7 @@ class Driver:
     def decode_session(self) -> StepSession:
         return self._sessions(self.window)[1]
 
-    def _sessions(self, window: int) -> tuple[StepSession, StepSession]:
+    def _sessions(self, window: int) -> Steps:
         return self._windows[window]
 
     def reset(self) -> None:
