@@ -34,6 +34,7 @@ fuzz: setup
 
 bench: setup
 	$(PY) -m benchmarks
+	$(PY) -m benchmarks.fresh
 
 bench-quick: setup
 	$(PY) -m benchmarks --quick

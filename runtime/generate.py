@@ -79,11 +79,11 @@ def generate(driver: Driver, prompt: list[int], max_new_tokens: int, sampling: S
         raise ValueError(f"max_new_tokens={max_new_tokens}; expected at least 1")
     if len(prompt) >= driver.capacity:
         raise ValueError(f"prompt of {len(prompt)} tokens; the cache holds {driver.capacity}, expected a shorter prompt")
-    rng, out, stop, steps = np.random.default_rng(sampling.seed), [], "max_new_tokens", []
+    rng, out, stop, steps, windows = np.random.default_rng(sampling.seed), [], "max_new_tokens", [], []
     driver.reset()
     start = time.perf_counter()
     logits = driver.feed(np.array([prompt], np.int64))
-    first = time.perf_counter()
+    first, prompt_window = time.perf_counter(), driver.window
     while True:
         token = choose(logits[0, -1], prompt + out, sampling, rng)
         out.append(token)
@@ -100,12 +100,14 @@ def generate(driver: Driver, prompt: list[int], max_new_tokens: int, sampling: S
         step = time.perf_counter()
         logits = driver.decode(np.array([[token]], np.int64))
         steps.append((time.perf_counter() - step) * 1e3)
+        windows.append(driver.window)
     end = time.perf_counter()
     decode_s = end - first
     return {"prompt_ids": list(prompt), "generated_ids": out, "stop": stop, "time_to_first_token_ms": (first - start) * 1e3,
+            "prompt_window": prompt_window,
             "decode_ms_per_token": decode_s * 1e3 / max(len(out) - 1, 1),
             "decode_ms_median": float(np.median(steps)) if steps else None,
-            "decode_ms_worst": max(steps, default=None), "decode_ms_steps": steps,
+            "decode_ms_worst": max(steps, default=None), "decode_ms_steps": steps, "decode_windows": windows,
             "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0}
 
 
@@ -141,7 +143,8 @@ def parser() -> Parser:
     p.add_argument("--provider", default="auto", choices=("cpu", "cuda", "auto"), help="onnxruntime device [auto]")
     p.add_argument("--threads", type=int, default=0, help="onnxruntime threads; 0: all cores [0]")
     p.add_argument("--json", action="store_true", help="end with one JSON line: generated_ids, open_ms (opening the "
-                   "model), time_to_first_token_ms, decode_ms_median, decode_ms_worst, decode_ms_steps, tokens_per_s")
+                   "model), time_to_first_token_ms, decode_ms_median, decode_ms_worst, decode_ms_steps, the window each "
+                   "step ran over (prompt_window, decode_windows), tokens_per_s")
     return p
 
 

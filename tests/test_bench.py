@@ -33,6 +33,56 @@ def test_bench_quick_writes_the_schema(tmp_path):
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["p90_ms"] <= r["max_ms"]
         assert r["tokens_per_s"] > 0 and r["peak_mb"] > 0 and 0 < r["roofline_fraction"]
         assert r.get("window") == (64 if r["engine"].startswith("ort-") else None)  # tiny: C=64, no smaller window
+    # benchmarks.fresh's processes on the same weights: genai's own generator on its build, and ours on the export
+    from benchmarks.fresh import command, once
+    work = tmp_path / ".work" / "tiny-lm"
+    folders = {"export": work, "genai-fp32": work / "genai-fp32"}
+    theirs, ours = (once(command(e, folders, [1, 2, 3, 4, 5], threads=1, new_tokens=8)) for e in ("genai-fp32", "ort-ort"))
+    for r in (theirs, ours):
+        assert len(r["generated_ids"]) == 8 and len(r["decode_ms_steps"]) == 7 and r["peak_rss_bytes"] > 0
+        assert 0 < r["decode_ms_median"] <= r["decode_ms_worst"] and r["open_ms"] > 0 and r["time_to_first_token_ms"] > 0
+    assert theirs["generated_ids"] == ours["generated_ids"]
+
+
+def _fresh(engine, prompt_tokens, crossing=None, **figures):
+    return {"engine": engine, "prompt_tokens": prompt_tokens, "open_ms": 1000.0, "time_to_first_token_ms": 2000.0,
+            "decode_ms_median": 30.0, "decode_ms_worst": 40.0, "worst_over_median": 1.3, "peak_rss_bytes": 1e9,
+            "crossing_over_median": crossing, "crossing_steps": [0] if crossing else [], "generated_ids": [1, 2, 3],
+            **figures}
+
+
+def test_a_first_request_slower_than_genais_or_a_slow_crossing_is_missed():
+    """The fresh-process targets at the longest prompt. Planted: a first token 1.1x genai's, a crossing step 2.5x its
+    median; memory 1.4x (within 1.5x) and decode 1.05x (the limit) hold; the shorter prompt's figures are not judged."""
+    from benchmarks.report import fresh_markdown, fresh_targets
+    doc = {"rounds": 3, "round_order": "reversed", "threads": 2, "new_tokens": 65, "results": [
+        _fresh("genai-fp32", 128), _fresh("ort-ort", 128, time_to_first_token_ms=9e9),
+        _fresh("genai-fp32", 1024), _fresh("ort-ort", 1024, time_to_first_token_ms=2200.0, decode_ms_median=31.5,
+                                            peak_rss_bytes=1.4e9, open_ms=2000.0, generated_ids=[1, 2, 4]),
+        _fresh("ort-npu", 1024, crossing=2.5), _fresh("ort-npu", 128, crossing=1.5)]}
+    lines = fresh_targets(doc)
+    assert not any("at a 128-token prompt, as a multiple" in line for line in lines)
+    assert "- ort-ort time_to_first_token_ms at a 1024-token prompt, as a multiple of genai-fp32's (at most 1.0x): " \
+           "1.10x (missed)" in lines
+    assert any(line.startswith("- ort-ort decode_ms_median") and line.endswith("1.05x (holds)") for line in lines)
+    assert any(line.startswith("- ort-ort peak_rss_bytes") and line.endswith("1.40x (holds)") for line in lines)
+    assert any(line.startswith("- ort-ort open_ms") and line.endswith("2.00x (holds)") for line in lines)
+    assert "- ort-npu at a 1024-token prompt, its slowest window-crossing step (at most 2.0x its median): 2.50x " \
+           "(missed)" in lines
+    assert "- ort-npu at a 128-token prompt, its slowest window-crossing step (at most 2.0x its median): 1.50x " \
+           "(holds)" in lines
+    assert "| 1024 | ort-ort | 2000 | 2200 | 31.50 | 40.00 | 1.30x | none | 1.40 | 2 of 3 |" in fresh_markdown(doc)
+
+
+def test_fresh_summary_takes_medians_over_rounds_and_finds_the_crossings():
+    from benchmarks.fresh import summary
+    runs = [{"open_ms": o, "time_to_first_token_ms": 10.0, "decode_ms_median": 10.0, "decode_ms_worst": w,
+             "decode_ms_steps": [w, 10.0, 10.0, 12.0], "prompt_window": 256, "decode_windows": [512, 512, 512, 1024],
+             "peak_rss_bytes": 100, "generated_ids": [1], "prompt_ids": [0]} for o, w in ((3.0, 30.0), (1.0, 15.0), (2.0, 25.0))]
+    s = summary(runs)
+    assert s["open_ms"] == 2.0 and s["decode_ms_worst"] == 25.0 and s["crossing_steps"] == [0, 3]
+    assert s["crossing_over_median"] == 2.5 and s["worst_over_median"] == 2.5
+    assert len(s["rounds"]) == 3 and "prompt_ids" not in s["rounds"][0]
 
 
 def test_rounds_keep_each_workloads_median_round():
@@ -209,3 +259,10 @@ def test_scale_rows_merge_and_a_failed_export_is_a_row(tmp_path, monkeypatch):
     named = {"model": "tiny", "params": 1e5, "variant": "fp32"}
     table = scale.markdown({"machine": "m", "results": [{**row, **named}, {**bad, **named, "variant": "int4"}]})
     assert "| tiny | 0M | 0.00 | fp32 |" in table and "| int4 |" in table and "failed: error: " in table
+
+
+def test_a_fresh_process_that_fails_is_one_clear_error():
+    import pytest
+    from benchmarks.fresh import once
+    with pytest.raises(RuntimeError, match=r"exited with 1: planted failure"):
+        once([sys.executable, "-c", "import sys; print('x' * 100000, file=sys.stderr); sys.exit('planted failure')"])

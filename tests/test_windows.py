@@ -236,3 +236,16 @@ def test_gqa_runs_over_the_capacity_alone_its_decode_pre_packed(exported, monkey
         assert prefill.weights is decode.weights is not None and _prepacks(decode) and not _prepacks(prefill)
     else:
         assert prefill.weights is decode.weights is None and _prepacks(decode) and _prepacks(prefill)
+
+
+def test_a_fresh_generate_process_reports_each_steps_window(exported):
+    """`runtime.generate --json` in its own process, as benchmarks.fresh runs it: the window each step ran over, so the
+    steps at a crossing are found, and the process's peak memory."""
+    from benchmarks.fresh import command, crossings, once
+    art = exported("lm", windows=LADDER)
+    result = once(command("ort-onnx", {"export": art.folder}, list(range(1, 13)), threads=1))
+    # 12 prompt rows fit 16; decode step i writes row 12 + i: 16 -> 32 at step 4, 32 -> 64 at step 20, then capacity
+    assert result["prompt_window"] == 16 and result["stop"] == "capacity"
+    assert result["decode_windows"] == [16] * 4 + [32] * 16 + [64] * 32
+    assert crossings(result) == [4, 20] and len(result["decode_ms_steps"]) == 52
+    assert result["peak_rss_bytes"] > 50 << 20 and result["open_ms"] > 0
