@@ -1,4 +1,6 @@
-"""python -m benchmarks.accuracy: the quantized whole models against fp32 eager PyTorch, side by side with
+"""python -m benchmarks.accuracy: the quantized whole models against fp32 eager PyTorch, beside the peers.
+
+python -m benchmarks.accuracy: the quantized whole models against fp32 eager PyTorch, side by side with
 onnxruntime-genai's builds of the same weights, on one fixed prompt set (runtime/accuracy.py).
 
 Random weights (the preset's, default): uses the graphs `make bench` exports (benchmarks/.work/PRESET-lm, exported

@@ -1,4 +1,6 @@
-"""The engines: eager PyTorch three ways, onnxruntime on four graphs of the same model, and for the whole
+"""The engines: eager PyTorch, onnxruntime on each target's graphs, onnxruntime-genai and llama.cpp.
+
+The engines: eager PyTorch three ways, onnxruntime on four graphs of the same model, and for the whole
 model our int4/int8 ort graphs, the ort graphs exported from transformers' Qwen3ForCausalLM holding the same
 weights (ort-ort-hf), onnxruntime-genai (its model builder's fp32 and int4 builds of the same weights), and for a
 trained model llama.cpp (llama-cpp-python on GGUFs of the same folder).

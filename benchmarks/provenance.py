@@ -1,4 +1,6 @@
-"""Where a result file's figures come from: its run's commit, date, machine and command, and a fingerprint of the code
+"""Where a result file's figures come from: commit, date, machine, command and the code it ran.
+
+Where a result file's figures come from: its run's commit, date, machine and command, and a fingerprint of the code
 the run executed, by which `python -m benchmarks.report` marks a figure measured before a change to that code stale.
 
 The code a run depends on is every module of this repository it imported (its measuring workers' imports included),

@@ -1,4 +1,6 @@
-"""Eager attention modules as Hugging Face transformers writes them (random weights, no downloads),
+"""Eager attention modules as Hugging Face transformers writes them, for the fusion corpus.
+
+Eager attention modules as Hugging Face transformers writes them (random weights, no downloads),
 wrapped to run a prefill over T tokens with an explicit additive mask: causal, and for Gemma-2 (a
 sliding-window layer with logit soft-capping) causal within the window."""
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Whole-model checkpoints for the LM: a MiniMind `.pth` state dict as its training scripts save it, or a
+"""Whole-model checkpoints for the LM: a MiniMind `.pth`, or a Hugging Face folder.
+
+Whole-model checkpoints for the LM: a MiniMind `.pth` state dict as its training scripts save it, or a
 Hugging Face folder (`config.json` + `model.safetensors`, or shards listed in `model.safetensors.index.json`),
 whose dims come from its `config.json`.
 

@@ -1,4 +1,6 @@
-"""AttentionConfig: every shape the attention block, the decoder block, the whole language model and
+"""AttentionConfig: every shape the models and their exported graphs depend on, and the presets.
+
+AttentionConfig: every shape the attention block, the decoder block, the whole language model and
 their exported graphs depend on (the LM fields are read by `--kind lm` only).
 
 One dataclass is the single source of truth: the model reads it, the exporter writes it

@@ -1,4 +1,6 @@
-"""cleanup: constant folding, onnxscript's basic algebraic rules (Transpose pairs, Reshape
+"""cleanup: constant folding, basic algebraic rules, dead-node removal and a topological sort.
+
+cleanup: constant folding, onnxscript's basic algebraic rules (Transpose pairs, Reshape
 chains, no-op casts), dead-node removal and a topological sort.
 
 Constant folding is onnxscript's, which also folds the shape arithmetic of a graph whose shapes

@@ -1,4 +1,6 @@
-"""What a pipeline left unfused: attention-shaped subgraphs (a Softmax between two MatMuls)
+"""What a pipeline left unfused, each with the reason the passes gave.
+
+What a pipeline left unfused: attention-shaped subgraphs (a Softmax between two MatMuls)
 and repeats still in front of a fused op's K/V, each with the reason the passes gave."""
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Mixed precision in a QDQ graph: which activations may stay float, each for a named reason, written by the quantizer
+"""Mixed precision in a QDQ graph: which activations may stay float, each for a named reason.
+
+Mixed precision in a QDQ graph: which activations may stay float, each for a named reason, written by the quantizer
 (export/quantize.py) into the graph's metadata and re-checked by lint on the graph it wrote; and how much of the graph's
 weights stay float, bounded so that a graph labelled w8a16 holds 8-bit weights.
 

@@ -1,4 +1,6 @@
-"""What quantizing a graph's weights needs around the quantizers: weights that are constants (a tied lm_head's
+"""What quantizing a graph's weights needs around the quantizers.
+
+What quantizing a graph's weights needs around the quantizers: weights that are constants (a tied lm_head's
 transposed embedding), and onnxruntime's quantization package imported and run quietly (export/quantize.py's QDQ)."""
 from __future__ import annotations
 

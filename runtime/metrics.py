@@ -1,4 +1,6 @@
-"""How close an output is to its reference: the one rule every gate uses (export parity, quantized accuracy,
+"""How close an output is to its reference: the one rule every gate uses.
+
+How close an output is to its reference: the one rule every gate uses (export parity, quantized accuracy,
 passes --verify, the bundle verifier, the fuzzer).
 
 The rule is normwise relative: max |a - e| / max |e| within a budget, every value finite where the reference

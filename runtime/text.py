@@ -1,4 +1,6 @@
-"""Text for runtime.generate: the export folder's tokenizer (transformers' AutoTokenizer over the files the export
+"""Text for runtime.generate: the export's tokenizer, its chat template, and a streaming printer.
+
+Text for runtime.generate: the export folder's tokenizer (transformers' AutoTokenizer over the files the export
 copied from the Hugging Face folder), its chat template, and a stream that prints decoded text as tokens come."""
 from __future__ import annotations
 
