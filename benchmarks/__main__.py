@@ -51,10 +51,11 @@ TRAINED_QUANT = tuple(registry.schemes())  # a trained model's export has every 
 
 
 def code_fingerprint() -> str:
-    """The code that makes the graphs: a change to it invalidates graphs exported earlier."""
+    """The code that makes the graphs: a change to it invalidates graphs exported earlier; a docstring or a comment
+    does not (provenance.fingerprint)."""
     h = hashlib.sha256()
     for path in [ROOT / "registry.py", *sorted(p for d in ("models", "export", "passes") for p in (ROOT / d).glob("*.py"))]:
-        h.update(path.read_bytes())
+        h.update(provenance.fingerprint(path).encode())
     return h.hexdigest()
 
 

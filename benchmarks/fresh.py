@@ -4,7 +4,8 @@
 the model, reads one prompt and decodes, and waits for all of it. So here every run is a new process, the way a user
 starts it: ours `python -m runtime.generate EXPORT --target T --prompt-ids ... --json`, onnxruntime-genai's
 `python -m benchmarks.genai_generate BUILD ...` on its builder's folder of the same weights. Each reports its open time,
-its time to first token and every decode step with the window it ran over; its peak RSS is the kernel's (wait4).
+its time to first token, every decode step with the window it ran over, and its own peak resident memory
+(VmHWM: a wait4 rusage would also count the pages of this process, which it was forked from).
 
 The prompts are the committed prompt set's text (benchmarks/prompts.json) through the model's tokenizer, end to end,
 cut to each length. Rounds run the engines in turn, reversed every other round as `python -m benchmarks` does, and each
@@ -54,18 +55,17 @@ def command(engine: str, folders: dict, ids: list[int], threads: int, new_tokens
 
 
 def once(cmd: list[str]) -> dict:
-    """One fresh process: its last stdout line (JSON), with its peak resident set in bytes (the kernel's, from wait4:
-    so the child is reaped here, its stderr kept in a file rather than a pipe that could fill)."""
+    """One fresh process: its last stdout line (JSON), which reports its own peak resident memory."""
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
-        out = proc.stdout.read()
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
         if proc.returncode != 0:
             err.seek(0)
             raise RuntimeError(f"{' '.join(cmd[1:3])} exited with {proc.returncode}: "
                                f"{(err.read().strip().splitlines() or ['no message'])[-1][:300]}")
-    return json.loads(out.strip().splitlines()[-1]) | {"peak_rss_bytes": usage.ru_maxrss * 1024}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if result.get("peak_rss_bytes") is None:
+        raise RuntimeError(f"{' '.join(cmd[1:3])} reported no peak memory; expected Linux's /proc/self/status")
+    return result
 
 
 def crossings(result: dict) -> list[int]:

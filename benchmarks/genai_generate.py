@@ -4,7 +4,8 @@ Greedy, on its builder's folder, timed the way `python -m runtime.generate --jso
 
 Its last line is the same JSON fields: open_ms (og.Model), time_to_first_token_ms (reading the prompt and choosing the
 first token: append_tokens, then the generate_next_token that selects from the prompt's logits), decode_ms_steps (each
-later generate_next_token: one decode step and its choice), their median and worst, generated_ids.
+later generate_next_token: one decode step and its choice), their median and worst, generated_ids, and the
+process's peak resident memory (peak_rss_bytes).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 import numpy as np
 
 from runtime.cli import Parser, run
-from runtime.generate import _ids
+from runtime.generate import _ids, peak_rss_bytes
 
 
 def main(argv=None) -> int:
@@ -52,7 +53,8 @@ def _main(args) -> int:
     print(json.dumps({"target": "genai", "open_ms": open_ms, "generated_ids": out,
                       "time_to_first_token_ms": (first - start) * 1e3,
                       "decode_ms_median": float(np.median(steps)) if steps else None,
-                      "decode_ms_worst": max(steps, default=None), "decode_ms_steps": steps}))
+                      "decode_ms_worst": max(steps, default=None), "decode_ms_steps": steps,
+                      "peak_rss_bytes": peak_rss_bytes()}))
     return 0
 
 

@@ -5,6 +5,8 @@ import time
 
 import numpy as np
 
+from runtime.generate import peak_rss_bytes
+
 
 def reset_peak_rss() -> None:
     """Linux: writing 5 to clear_refs resets VmHWM, so the next read is this workload's peak."""
@@ -16,11 +18,8 @@ def reset_peak_rss() -> None:
 
 
 def peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    peak = peak_rss_bytes()
+    return float("nan") if peak is None else peak / 2**20
 
 
 def measure(fn, min_reps: int, min_seconds: float, max_seconds: float, warmup: int = 3) -> dict:

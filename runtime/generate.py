@@ -111,6 +111,16 @@ def generate(driver: Driver, prompt: list[int], max_new_tokens: int, sampling: S
             "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0}
 
 
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far, or None off Linux. Linux's VmHWM counts the image after exec alone;
+    the rusage a parent reads from wait4 also counts the pages of the parent it was forked from."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def _ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
@@ -144,7 +154,8 @@ def parser() -> Parser:
     p.add_argument("--threads", type=int, default=0, help="onnxruntime threads; 0: all cores [0]")
     p.add_argument("--json", action="store_true", help="end with one JSON line: generated_ids, open_ms (opening the "
                    "model), time_to_first_token_ms, decode_ms_median, decode_ms_worst, decode_ms_steps, the window each "
-                   "step ran over (prompt_window, decode_windows), tokens_per_s")
+                   "step ran over (prompt_window, decode_windows), tokens_per_s, peak_rss_bytes (the process's peak "
+                   "resident memory, Linux)")
     return p
 
 
@@ -180,7 +191,7 @@ def _main(args) -> int:
     print(f"{len(result['generated_ids'])} tokens ({result['stop']}): time to first token "
           f"{result['time_to_first_token_ms']:.1f} ms, {result['tokens_per_s']:.1f} tokens/s")
     if args.json:
-        print(json.dumps({"target": args.target, "open_ms": open_ms, **result}))
+        print(json.dumps({"target": args.target, "open_ms": open_ms, **result, "peak_rss_bytes": peak_rss_bytes()}))
     return 0
 
 

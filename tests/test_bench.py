@@ -266,3 +266,13 @@ def test_a_fresh_process_that_fails_is_one_clear_error():
     from benchmarks.fresh import once
     with pytest.raises(RuntimeError, match=r"exited with 1: planted failure"):
         once([sys.executable, "-c", "import sys; print('x' * 100000, file=sys.stderr); sys.exit('planted failure')"])
+
+
+def test_a_fresh_process_reports_its_own_peak_memory_not_its_parents():
+    """Planted: this process holds 400 MB more when it starts the child; a child's wait4 rusage would count them (it
+    is forked from this image), its own VmHWM does not."""
+    from benchmarks.fresh import once
+    held = np.ones(400 << 20, np.uint8)
+    child = once([sys.executable, "-c", "import json; from runtime.generate import peak_rss_bytes; "
+                  "print(json.dumps({'peak_rss_bytes': peak_rss_bytes()}))"])
+    assert held.sum() == 400 << 20 and 0 < child["peak_rss_bytes"] < 300 << 20
