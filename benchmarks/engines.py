@@ -13,7 +13,6 @@ DynamicCache; genai and llama.cpp their own generators.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from runtime.artifacts import graph_entry, load_manifest, open_generator, window
 from runtime.drivers import Driver, Generator
 from runtime.session import StepSession
 
+from .peers import genai_model
 from .workloads import GENAI, HF, LLAMACPP, ORT, QUANT, SINGLE, TORCH, TRAINED, Workload
 
 ENGINES = TORCH + ORT + SINGLE + QUANT + HF + GENAI + LLAMACPP
@@ -144,10 +144,7 @@ class Engine:
     def _genai_runner(self, w: Workload):
         import onnxruntime_genai as og
         if (w.kind, self.name) not in self._models:
-            config = og.Config(str(self.folders[self.name]))
-            config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-                "intra_op_num_threads": self.threads, "inter_op_num_threads": 1}}}}))
-            self._models[w.kind, self.name] = og.Model(config)
+            self._models[w.kind, self.name] = genai_model(self.folders[self.name], self.threads)
         model = self._models[w.kind, self.name]
         ids = self._inputs(w)[0].numpy()[0].astype(np.int32)
         prompt = ids if w.step == "prefill" else self._context(w).astype(np.int32)

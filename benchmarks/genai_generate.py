@@ -18,6 +18,8 @@ import numpy as np
 from runtime.cli import Parser, run
 from runtime.generate import _ids, peak_rss_bytes
 
+from .peers import genai_model
+
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m benchmarks.genai_generate", description=__doc__.split("\n\n")[0])
@@ -33,10 +35,7 @@ def _main(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}; expected at least 1")
     opening = time.perf_counter()
-    config = og.Config(args.folder)
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-        "intra_op_num_threads": args.threads, "inter_op_num_threads": 1}}}}))
-    model = og.Model(config)
+    model = genai_model(args.folder, args.threads)
     open_ms = (time.perf_counter() - opening) * 1e3
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(args.prompt_ids) + args.max_new_tokens, do_sample=False)

@@ -45,6 +45,15 @@ def run_builder(hf: Path, out: Path, engine: str, cache: Path) -> None:
                            f"{(res.stderr.strip().splitlines() or ['no message'])[-1][:200]}")
 
 
+def genai_model(folder: Path, threads: int):
+    """onnxruntime-genai's model over its build in `folder`, on `threads` intra-op threads (0: all cores)."""
+    import onnxruntime_genai as og
+    config = og.Config(str(folder))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    return og.Model(config)
+
+
 class GenaiDriver:
     """onnxruntime-genai's build behind the runtime drivers' reset/feed/decode, for runtime/accuracy.py: feed reads a
     prompt and returns the next-token logits [1, 1, V], decode appends one token (teacher forcing or greedy)."""
@@ -52,10 +61,7 @@ class GenaiDriver:
     def __init__(self, folder: Path, threads: int, max_length: int):
         import onnxruntime_genai as og
         self._og, self.max_length = og, max_length
-        config = og.Config(str(folder))
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
-        self.model, self.generator = og.Model(config), None
+        self.model, self.generator = genai_model(folder, threads), None
 
     def reset(self) -> None:
         self.generator = None
