@@ -15,15 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from corpus.text import save_tokenizer
-from models.checkpoint import save_hf_folder
-
 PRECISIONS = {"genai-fp32": "fp32", "genai-int4": "int4"}
 
 
 def build_genai(model, folder: Path, engines) -> None:
     """folder/hf (the weights as Qwen3) and the builder's output for each engine (folder/genai-fp32, ...). A
     machine without onnxruntime-genai gets no builds; its engines then say so."""
+    # Imported here: they import torch, and benchmarks.genai_generate (this module's genai_model) measures its own
+    # peak memory, which torch's 250 MB would inflate.
+    from corpus.text import save_tokenizer
+    from models.checkpoint import save_hf_folder
     hf = save_hf_folder(model, folder / "hf")
     save_tokenizer(hf, min(model.config.vocab_size, 512))
     for engine in engines:

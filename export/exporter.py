@@ -348,8 +348,8 @@ def _per_output(case: dict) -> dict:
 def _lm_extras(weights: str | None, tmp: Path) -> dict:
     """End-of-sequence ids of a Hugging Face folder, and its tokenizer files (tokenizer.json, tokenizer_config.json, the
     chat template, ...) and generation_config.json copied beside the graphs: the export folder is what
-    `runtime.generate --chat/--prompt` loads with transformers' AutoTokenizer (runtime/text.py)."""
-    from runtime.text import TOKENIZER_FILES
+    `runtime.generate --chat/--prompt` loads, as transformers resolves it (runtime/text.py, save_text)."""
+    from runtime.text import TOKENIZER_FILES, save_text
     if weights is None or not Path(weights).is_dir():
         return {"eos_token_ids": []}
     found = folder_extras(weights)
@@ -357,7 +357,7 @@ def _lm_extras(weights: str | None, tmp: Path) -> dict:
     for name in copied:
         shutil.copyfile(Path(weights) / name, tmp / name)
     return {"eos_token_ids": found["eos_token_ids"], "tokenizer": "tokenizer.json" if found["tokenizer"] else None,
-            "tokenizer_files": copied}
+            "tokenizer_files": copied, "text": save_text(weights, tmp) if copied else None}
 
 
 def _check_fused(graph: ir.Model, report: dict, target: registry.Target, layers: int, what: str) -> str:

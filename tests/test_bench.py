@@ -276,3 +276,13 @@ def test_a_fresh_process_reports_its_own_peak_memory_not_its_parents():
     child = once([sys.executable, "-c", "import json; from runtime.generate import peak_rss_bytes; "
                   "print(json.dumps({'peak_rss_bytes': peak_rss_bytes()}))"])
     assert held.sum() == 400 << 20 and 0 < child["peak_rss_bytes"] < 300 << 20
+
+
+def test_the_timed_processes_do_not_import_torch():
+    """Each engine's process is measured for its own peak memory: one that imported torch would carry 250 MB that
+    neither the engine nor its user's process needs (benchmarks.peers once made genai's look 1.28 GB, not 1.05)."""
+    import subprocess
+    for module in ("runtime.generate", "benchmarks.genai_generate"):
+        probe = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+        assert out.strip() == "[]", (module, out)

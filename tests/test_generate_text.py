@@ -17,7 +17,7 @@ from export import export_model
 from models import preset
 from runtime import open_generator
 from runtime.generate import generate, main
-from runtime.text import TextStream, chat_ids, load_tokenizer
+from runtime.text import ExportTokenizer, TextStream, chat_ids, load_tokenizer, save_text
 
 from chat_model import EOS, MESSAGE, save_chat_model
 
@@ -78,6 +78,58 @@ def test_the_export_carries_the_tokenizer_chat_template_and_eos(tiny):
     for name in lm["tokenizer_files"]:
         assert (tiny.out / name).read_bytes() == (tiny.hf / name).read_bytes(), name
     assert chat_ids(load_tokenizer(tiny.out), MESSAGE, "out") == tiny.chat  # the export folder alone makes the prompt
+    # ... read without transformers: the CLI tests below compare its text with transformers'
+    assert isinstance(load_tokenizer(tiny.out), ExportTokenizer) and lm["text"]["tokenizer"] == "tokenizer.json"
+
+
+def _wordpiece(folder, clean_up):
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(["[UNK]", "[CLS]", "[SEP]", "paris", "is", "n", "'", "t", ".", "?", ",", "it"])}
+    wp = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    wp.normalizer, wp.pre_tokenizer, wp.decoder = normalizers.Lowercase(), pre_tokenizers.BertPreTokenizer(), \
+        decoders.WordPiece(cleanup=False)  # the clean-up, if any, is transformers'
+    transformers.PreTrainedTokenizerFast(tokenizer_object=wp, unk_token="[UNK]", bos_token="[CLS]",
+                                         clean_up_tokenization_spaces=clean_up).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("clean_up", (True, False))
+def test_the_exported_tokenizer_decodes_as_transformers_does(tmp_path, clean_up):
+    """transformers cleans up spaces before punctuation where the config says so, on a WordPiece model; on a BPE
+    model it does not (the chat model's tokenizer with clean_up_tokenization_spaces set). Planted: an ExportTokenizer
+    told the opposite of what save_text found decodes otherwise."""
+    import transformers
+    for name, make in (("wordpiece", lambda f: _wordpiece(f, clean_up)), ("bpe", lambda f: _bpe(f, clean_up))):
+        hf, out = tmp_path / name / "hf", tmp_path / name / "out"
+        make(hf)
+        shutil.copytree(hf, out)
+        text, want = save_text(hf, out), transformers.AutoTokenizer.from_pretrained(str(hf))
+        ours = ExportTokenizer(out, text)
+        for s in ("Paris is . It isn't ?", "paris , it is"):
+            ids = want(s)["input_ids"]
+            assert ours(s)["input_ids"] == ids and ours.decode(ids) == want.decode(ids), (name, s)
+        flipped = ExportTokenizer(out, {**text, "clean_up_tokenization_spaces": not text["clean_up_tokenization_spaces"]})
+        if name == "wordpiece" and clean_up:
+            assert flipped.decode(want("Paris is .")["input_ids"]) != want.decode(want("Paris is .")["input_ids"])
+
+
+def _bpe(folder, clean_up):
+    tokenizer, _ = save_chat_model(folder / "model")
+    tokenizer.clean_up_tokenization_spaces = clean_up
+    tokenizer.save_pretrained(folder)
+
+
+def test_text_generation_runs_without_torch(tiny):
+    """runtime.generate's process reads the export's tokenizer with the tokenizers library (and a chat template with
+    transformers' jinja renderer alone): transformers' AutoTokenizer would import torch, 280 MB more than the model
+    it runs."""
+    import subprocess
+    import sys
+    for text in ("--chat", "--prompt"):
+        probe = (f"import sys, runtime.generate as g; g.main([{str(tiny.out)!r}, {text!r}, {MESSAGE!r}, "
+                 "'--max-new-tokens', '2']); print('torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+        assert out.strip().endswith("False"), (text, out)
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -149,8 +201,8 @@ class TokenByToken(TextStream):
 def test_incremental_decoding_keeps_characters_and_spacing(tiny, tmp_path):
     # byte-level BPE, one byte per token: 東 and é are split across tokens
     tokenizer = load_tokenizer(tiny.out)
-    (pieces, _), = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("東京")
-    ids = tokenizer.convert_tokens_to_ids(list(pieces)) + tokenizer(" café!")["input_ids"]
+    (pieces, _), = tiny.tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("東京")
+    ids = tiny.tokenizer.convert_tokens_to_ids(list(pieces)) + tokenizer(" café!")["input_ids"]
     assert len(ids) > 6 and tokenizer.decode(ids) == "東京 café!"
     assert streamed(tokenizer, ids, TextStream)[0] == "東"
     with pytest.raises(AssertionError):
@@ -212,3 +264,22 @@ def test_bad_input_is_one_line(tiny, tmp_path, capsys):
     assert rc == 0 and text == " ".join(map(str, tiny.want[:4])) + " ", err
     rc, text, result, err = cli(capsys, plain, "--prompt", MESSAGE, "--max-new-tokens", 4)
     assert rc == 0 and len(result["generated_ids"]) == 4, err
+
+
+def test_the_chat_template_is_found_where_transformers_finds_it(tmp_path):
+    """chat_template.jinja first, then chat_template.json's, then tokenizer_config.json's (named: "default"), each
+    equal to what transformers' tokenizer reads from the same folder."""
+    import transformers
+    from runtime.text import chat_template
+    save_chat_model(tmp_path / "hf")
+    hf = tmp_path / "hf"
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    jinja = (hf / "chat_template.jinja").read_text()
+    (hf / "chat_template.jinja").unlink()
+    for where in ("config-string", "config-named", "none"):
+        value = {"config-string": jinja, "config-named": [{"name": "tool_use", "template": "x"},
+                                                           {"name": "default", "template": jinja}], "none": None}[where]
+        (hf / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": value}))
+        want = transformers.AutoTokenizer.from_pretrained(str(hf)).chat_template
+        want = want.get("default") if isinstance(want, dict) else want
+        assert chat_template(hf) == want == (jinja if value else None), where
