@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,7 @@ def measure_all(args) -> int:
     rows = {}
     for target in (t for t in TARGETS if t in wanted):
         rows[target] = accuracy.measure(open_generator(folders["lm"], target, provider="cpu", threads=args.threads),
-                                        prompts, refs)
+                                        prompts, refs) | held(target, model, prompts, refs, config.vocab_size)
         print(f"{target:14s} {_line(rows[target])}", flush=True)
     for peer in (p for p in PEERS if p in wanted):
         if not (folders[peer] / "genai_config.json").exists():
@@ -110,7 +111,8 @@ def measure_trained(args) -> int:
     refs = [tuple(t[0].numpy() for t in step.generate_greedy(torch.from_numpy(p), TRAINED_STEPS + 1)) for p in prompts]
     rows = {}
     for name, driver in _trained_drivers(folders, config, args.threads, wanted):
-        rows[name] = accuracy.measure(driver, prompts, refs) if not isinstance(driver, str) else {"unavailable": driver}
+        rows[name] = accuracy.measure(driver, prompts, refs) | held(name, step, prompts, refs, config.vocab_size) \
+            if not isinstance(driver, str) else {"unavailable": driver}
         print(f"{name:14s} " + (f"unavailable: {driver}" if isinstance(driver, str) else _line(rows[name])), flush=True)
     doc = _kept({"model": args.model, "reference": "transformers fp32 (its own generate, greedy), same folder",
                  "prompts": [{"kind": p["kind"], "tokens": int(ids.shape[1])}
@@ -123,6 +125,17 @@ def measure_trained(args) -> int:
     (target / "accuracy.md").write_text(beside(target / "accuracy.json", doc, accuracy_markdown))
     print(f"wrote {target / 'accuracy.json'}, {target / 'accuracy.md'}")
     return 0
+
+
+def held(name: str, model, prompts: list, refs: list, vocab_size: int) -> dict:
+    """A quantized row's budget on this model: registry.GRID_RULE over what its scheme's grid costs `model` on the same
+    prompts (export/grid_cost.py); nothing for a float row or a peer. The report says whether the row is within it."""
+    target = registry.TARGETS.get(LEVEL_0.get(name, name))
+    if target is None or target.scheme is None:
+        return {}
+    from export.grid_cost import grid_figures
+    grid = grid_figures(model, target.scheme, prompts, refs, vocab_size)
+    return {"grid": grid, "budget": asdict(registry.GRID_RULE.budget(grid))}
 
 
 def _prompt_file() -> list[dict]:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import registry
+from runtime.metrics import Budget, why_not
 
 from . import provenance
 from .workloads import QUANT, Workload, engine, target_of
@@ -299,26 +300,38 @@ def plot(doc: dict) -> bytes:
 
 
 def accuracy_table(doc: dict) -> list[str]:
-    lines = ["| engine | max rel logit err | mean rel | KL mean (nats) | KL max | top-1 | greedy match |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| engine | max rel logit err | mean rel | KL mean (nats) | KL max | top-1 | greedy match | "
+             "budget (max rel, KL mean, top-1) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in doc["results"].items():
         lines.append(f"| {name} | {r['max_rel']:.3g} | {r['mean_rel']:.3g} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | "
-                     f"{r['top1']:.0%} | {r['greedy_match']:.0%} |")
+                     f"{r['top1']:.0%} | {r['greedy_match']:.0%} | {held_cell(r)} |")
     return lines
+
+
+def held_cell(row: dict) -> str:
+    """A quantized row's budget on the model (benchmarks.accuracy.held) and whether the row is within it."""
+    if "budget" not in row:
+        return "-"
+    b = Budget(**row["budget"])
+    why = why_not(row, b)
+    return f"{b.max_rel:.3g}, {b.kl_mean:.2e}, {b.top1:.0%}: " + (f"**missed** ({why})" if why else "holds") + \
+        f" (grid alone: KL {row['grid']['kl_mean']:.2e})"
 
 
 def trained_accuracy_table(doc: dict) -> list[str]:
     """A trained model's table: the distribution measures, then greedy agreement counted in tokens."""
     n, steps = len(doc["prompts"]), doc["decode_steps"]
     lines = [f"| engine | KL mean (nats) | KL max | top-1 | greedy tokens equal (mean of {steps}) | prompts with all "
-             f"{steps} equal (of {n}) | first difference a tie (<= {doc['tie']:g}) |", "|---|---|---|---|---|---|---|"]
+             f"{steps} equal (of {n}) | first difference a tie (<= {doc['tie']:g}) | budget (max rel, KL mean, top-1) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in doc["results"].items():
         if "unavailable" in r:
-            lines.append(f"| {name} | unavailable: {r['unavailable']} | | | | | |")
+            lines.append(f"| {name} | unavailable: {r['unavailable']} | | | | | | |")
             continue
         ties = ", ".join(f"prompt {t['prompt']} step {t['step']}" for t in r["ties"]) or "none"
         lines.append(f"| {name} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | {r['top1']:.1%} | "
-                     f"{statistics.mean(r['greedy_tokens']):.1f} | {sum(g == steps for g in r['greedy_tokens'])} | {ties} |")
+                     f"{statistics.mean(r['greedy_tokens']):.1f} | {sum(g == steps for g in r['greedy_tokens'])} | {ties} | "
+                     f"{held_cell(r)} |")
     return lines
 
 

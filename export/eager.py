@@ -29,6 +29,7 @@ class EagerReferences:
         self._count: dict[tuple, int] = {}
         self.sequences: dict[tuple, SequenceReference] = {}  # window ladder -> the sequence check planned over it
         self.accuracy: list | None = None  # runtime/accuracy.references, for the quantized targets
+        self.grid: dict[str, dict] = {}  # quantized target -> what its scheme's grid costs the model (grid_cost.py)
 
     def keep_prefix(self, caches: list[torch.Tensor]) -> None:
         """The cache rows of the random prefix every case starts from (runtime/parity.prefix_caches), on disk, a file

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import onnx
@@ -37,6 +37,7 @@ from runtime.text import has_tokenizer
 
 from .atomic import staged_dir, write_json
 from .eager import EagerReferences, release_memory
+from .grid_cost import grid_figures
 from . import quantize, windows as ladders
 from .manifest import attention_layers, build_manifest
 from .progress import Progress
@@ -102,7 +103,11 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
                 eager.sequences = {w: _sequence_reference(model, config, kind, w, seed)
                                    for w in {ladder, (config.capacity,)}}
                 if quant and kind == "lm":
-                    eager.accuracy = accuracy.references(reference_model(model), accuracy.prompt_set(config), config)
+                    prompts = accuracy.prompt_set(config)
+                    eager.accuracy = accuracy.references(reference_model(model), prompts, config)
+                    eager.grid = {quantize.target(q): grid_figures(reference_model(model), registry.quantized_by(q).scheme,
+                                                                   prompts, eager.accuracy, config.vocab_size)
+                                  for q in quant}
             del model
             release_memory()
             # 2. Without it: each graph checked in onnxruntime against those outputs, then each target's sequence; a
@@ -113,9 +118,9 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
                 for i, entry in ((i, e) for i, e in enumerate(saved) if e["target"] == target):
                     with progress.stage("checks"):
                         graphs[i] = _check_graph(entry, eager.cases(entry["window"], entry["step"]), config, kind, tmp,
-                                                 shared)
+                                                 shared, eager.grid.get(target))
                     progress.graph(_graph_line(graphs[i]))
-                sequence[target] = _sequence_check(eager.sequences, config, graphs, target, tmp, shared, progress, log)
+                sequence[target] = _sequence_check(eager, config, graphs, target, tmp, shared, progress, log)
                 del shared
                 release_memory()
             for q in qdq:  # over C rows only: calibration is slow
@@ -123,7 +128,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
                 with progress.stage("calibration"):
                     graphs += _qdq_graphs(q, graphs, config, kind, tmp, store, eager, shared, progress, weights)
                 target = quantize.target(q)
-                sequence[target] = _sequence_check(eager.sequences, config, graphs, target, tmp, shared, progress, log)
+                sequence[target] = _sequence_check(eager, config, graphs, target, tmp, shared, progress, log)
                 del shared
                 release_memory()
             extras = {}
@@ -134,7 +139,7 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
                 extras["attention"] = attention
             if quant:
                 with progress.stage("quantized accuracy"):
-                    extras["quantization"] = _quantization(eager.accuracy, config, kind, graphs, quant, tmp)
+                    extras["quantization"] = _quantization(eager, config, kind, graphs, quant, tmp)
         finally:
             eager.close()
         manifest = build_manifest(config, kind, name or out_dir.name, opset, graphs, sequence, weights_info, extras, ladder)
@@ -256,7 +261,8 @@ def _qdq_graphs(scheme: str, graphs: list[dict], config: AttentionConfig, kind: 
         report = {"passes": floats[step]["passes"] + [entry]}
         saved = _save(qdq, report, config, kind, step, made.name, tmp, store)
         progress.made(1, f"{saved['file']}: calibrated on {feeds} feeds, saved")
-        out.append(_check_graph(saved, eager.cases(config.capacity, step), config, kind, tmp, shared))
+        out.append(_check_graph(saved, eager.cases(config.capacity, step), config, kind, tmp, shared,
+                                eager.grid.get(made.name)))
         progress.graph(_graph_line(out[-1]))
         out[-1]["calibration"] = {"method": "MinMax", "feeds": feeds,
                                   "inputs": (f"{len(inputs) - quantize.CALIBRATION_PROMPTS} prompts of text through "
@@ -304,8 +310,9 @@ def _save(graph: ir.Model, report: dict, config: AttentionConfig, kind: str, ste
 
 
 def _check_graph(saved: dict, cases: Iterable[StepCase], config: AttentionConfig, kind: str, tmp: Path,
-                 shared: SharedWeights) -> dict:
-    """The saved graph's step parity in onnxruntime against eager's `cases`: its manifest entry, or ParityError."""
+                 shared: SharedWeights, grid: dict | None = None) -> dict:
+    """The saved graph's step parity in onnxruntime against eager's `cases`: its manifest entry, or ParityError.
+    `grid`: what the target's scheme's grid costs the model (export/grid_cost.py), for a quantized graph's budget."""
     step, target, path = saved["step"], saved["target"], tmp / saved["file"]
     config = config.replace(capacity=saved["window"])
     session = StepSession(path, saved["inputs"], saved["outputs"], provider="cpu", weights=shared)
@@ -319,7 +326,7 @@ def _check_graph(saved: dict, cases: Iterable[StepCase], config: AttentionConfig
         measured = step_parity(case, runner, config)
         outputs = list(measured["per_output"])
         drifts = case.drift or (None,) * len(outputs)
-        held = {name: _budget(config, target, d, case.decided is not None and i == 0)
+        held = {name: _budget(config, target, d, case.decided is not None and i == 0, grid, step)
                 for i, (name, d) in enumerate(zip(outputs, drifts))}
         results.append(measured | {"tolerance": max(b.max_rel for b in held.values()), "held": held,
                                    "eager_fp16_max_rel": case.drift})
@@ -391,22 +398,23 @@ def _sequence_reference(model, config: AttentionConfig, kind: str, ladder: tuple
     return sequence_reference(model, config, *_sequence_plan(config, ladder), seed, kind)
 
 
-def _sequence_check(references: dict, config: AttentionConfig, graphs: list[dict], target: str, tmp: Path,
+def _sequence_check(eager: EagerReferences, config: AttentionConfig, graphs: list[dict], target: str, tmp: Path,
                     shared: SharedWeights, progress: Progress, log) -> dict:
     with progress.stage("sequence parity"):
-        seq = _sequence_parity(references, config, [g for g in graphs if g is not None], target, tmp, shared)
+        seq = _sequence_parity(eager.sequences, config, [g for g in graphs if g is not None], target, tmp, shared,
+                               eager.grid.get(target))
     release_memory()  # the driver's sessions and caches (a driver holds reference cycles)
     log(f"{target}: sequence parity {seq['max_rel']:.1e} ({progress.elapsed():.0f} s)")
     return seq
 
 
 def _sequence_parity(references: dict, config: AttentionConfig, graphs: list[dict], target: str, tmp: Path,
-                     shared: SharedWeights) -> dict:
+                     shared: SharedWeights, grid: dict | None = None) -> dict:
     """The target's driver over its window ladder against the full-sequence forward planned for that ladder."""
     driver = _driver(config, graphs, target, tmp, weights=shared)
     reference = references[tuple(driver.windows)]
     seq = compare_sequence(reference, driver)
-    held = _budget(config, target, reference.drift, reference.decided is not None)
+    held = _budget(config, target, reference.drift, reference.decided is not None, grid)
     _check(seq, held, f"{target}: sequence parity (against the full-sequence forward)")
     return {**seq, "windows": driver.windows, "tolerance": held.max_rel,
             **({"eager_fp16_max_rel": reference.drift} if reference.drift is not None else {})}
@@ -418,11 +426,16 @@ def _driver(config: AttentionConfig, graphs: list[dict], target: str, tmp: Path,
                           **session_options)
 
 
-def _budget(config: AttentionConfig, target: str, drift: float | None = None, logits: bool = False) -> Budget:
-    """What an output of a step or a sequence of `target` is held to: the dtype's tolerance (fp16's following `drift`,
-    what fp16 costs the model on that output in eager PyTorch on the same inputs), or its scheme's step budget; a float
-    target's `logits` (measured in fp16: decided rows known) also to eager's argmax on the rows eager decides."""
-    held = quantize.step_budget(quantize.budget(target, dtype_tolerance(config.dtype, drift)))
+def _budget(config: AttentionConfig, target: str, drift: float | None = None, logits: bool = False,
+            grid: dict | None = None, step: str | None = None) -> Budget:
+    """What an output of a step (`step`) or a sequence of `target` is held to: the dtype's tolerance (fp16's following
+    `drift`, what fp16 costs the model on that output in eager PyTorch on the same inputs), or for a step its scheme
+    quantizes, or a sequence, the scheme's step budget (following `grid`, what the scheme's grid costs the model); a
+    float target's `logits` (measured in fp16: decided rows known) also to eager's argmax on the rows eager decides."""
+    float_tolerance = dtype_tolerance(config.dtype, drift)
+    if step is not None and not _quantized(target, step):  # the base target's graph, saved under this target's name
+        return replace(Budget(float_tolerance), decided=logits)
+    held = quantize.step_budget(quantize.budget(target, float_tolerance, grid))
     return replace(held, decided=logits and registry.target(target).scheme is None)
 
 
@@ -432,18 +445,21 @@ def _check(err: dict, budget: Budget, what: str, error: type[ParityError] = Pari
         raise error(f"{what} against fp32 eager PyTorch: {why}; expected {quantize.spell(budget)}")
 
 
-def _quantization(references: list | None, config: AttentionConfig, kind: str, graphs: list[dict], quant: tuple,
+def _quantization(eager: EagerReferences, config: AttentionConfig, kind: str, graphs: list[dict], quant: tuple,
                   tmp: Path) -> dict:
     """Each quantized target's scheme and, for the whole model, its accuracy (runtime/accuracy.py) on one prompt set
-    against eager's `references` of it, held to the scheme's whole budget (max_rel, KL, top-1)."""
+    against eager's references of it, held to the scheme's whole budget (max_rel, KL, top-1) on this model: the
+    registry's rule over what the scheme's grid costs it (`grid`)."""
     found = {quantize.target(q): quantize.describe(q) for q in quant}
     if kind != "lm":
         return found
     prompts = accuracy.prompt_set(config)
     for target in found:
-        measured = accuracy.measure(_driver(config, graphs, target, tmp, weights=SharedWeights()), prompts, references)
+        measured = accuracy.measure(_driver(config, graphs, target, tmp, weights=SharedWeights()), prompts,
+                                    eager.accuracy)
         release_memory()
-        _check(measured, quantize.budget(target, TOLERANCE[config.dtype]), f"{target}: accuracy on the prompt set",
-               AccuracyError)
-        found[target]["accuracy"] = {"reference": "eager PyTorch fp32", **measured}
+        held = quantize.budget(target, TOLERANCE[config.dtype], eager.grid[target])
+        _check(measured, held, f"{target}: accuracy on the prompt set", AccuracyError)
+        found[target] |= {"grid": eager.grid[target], "budget": asdict(held),
+                          "accuracy": {"reference": "eager PyTorch fp32", **measured}}
     return found

@@ -173,7 +173,7 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
     """The bundle entries (and golden files) of one target's two step graphs over `config.capacity` rows; `exported`:
     the manifest they come from; `half`: golden's. An fp16 graph's outputs are each held to what fp16 costs the model
     on that output on its goldens (fp16_tolerance of its eager_fp16_max_rel), as the export held it on its cases."""
-    entries, scheme = [], registry.target(target).scheme
+    entries, scheme, grid = [], registry.target(target).scheme, quantize.grid_of(exported, target)
     goldens, drifts = golden(model, config, target, kind, seed, half)
     for step, steps in goldens.items():
         name = f"{folder}/{step}.{target}{suffix}"
@@ -182,11 +182,11 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
                         "target": target, "step": step, "window": config.capacity,
                         # max_rel only: a golden's few logit rows are no statistic for KL or top-1 (near-ties flip
                         # top-1), so it is held as quantize holds a step; the export held those on its prompt set
-                        "budget": {"max_rel": quantize.tolerance(target, dtype_tolerance(config.dtype))}
+                        "budget": {"max_rel": quantize.tolerance(target, dtype_tolerance(config.dtype), grid)}
                                   | ({"decided": True} if half is not None and kind == "lm"
                                      and not scheme else {})}
                        | ({"eager_fp16_max_rel": drifts[step],
-                           "output_budgets": {k: quantize.tolerance(target, dtype_tolerance(config.dtype, d))
+                           "output_budgets": {k: quantize.tolerance(target, dtype_tolerance(config.dtype, d), grid)
                                               for k, d in drifts[step].items()}} if drifts[step] is not None else {})
                        | ({"quantized": quantize.describe(scheme.name)
                                         | {"float_activations": _float_activations(exported, f"{step}.{target}{suffix}.onnx")}}

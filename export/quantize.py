@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -77,10 +78,19 @@ def target(scheme: str) -> str:
     return registry.quantized_by(scheme).name
 
 
-def budget(target: str, float_tolerance: float) -> Budget:
-    """What a graph of `target` is held to against eager fp32: its scheme's budget, or the float tolerance."""
+def budget(target: str, float_tolerance: float, grid: dict | None = None) -> Budget:
+    """What a graph of `target` is held to against eager fp32: the registry's GRID_RULE given what its scheme's grid
+    costs the model (`grid`, export/grid_cost.py; None: the rule's cap), or the float tolerance."""
     scheme = registry.target(target).scheme
-    return scheme.budget if scheme else Budget(float_tolerance)
+    return registry.GRID_RULE.budget(grid) if scheme else Budget(float_tolerance)
+
+
+def channel_rounded(w: np.ndarray) -> np.ndarray:
+    """W [K, N] on w8a16's weight grid: int8 symmetric per output channel, |q| <= 127 (onnxruntime's quantizer with
+    WeightSymmetric, per_channel over MatMul's axis 1)."""
+    scale = np.abs(w).max(axis=0, keepdims=True).astype(np.float64) / 127
+    q = np.clip(np.round(w / np.where(scale == 0, 1, scale)), -127, 127)
+    return (q * scale).astype(w.dtype)
 
 
 def step_budget(budget: Budget) -> Budget:
@@ -97,16 +107,22 @@ def spell(budget: Budget) -> str:
     return ", ".join(parts)
 
 
-def tolerance(target: str, float_tolerance: float) -> float:
+def tolerance(target: str, float_tolerance: float, grid: dict | None = None) -> float:
     """The normwise part of budget(): the max relative error, as manifests record it."""
-    return budget(target, float_tolerance).max_rel
+    return budget(target, float_tolerance, grid).max_rel
+
+
+def grid_of(manifest: dict, target: str) -> dict | None:
+    """What the target's scheme's grid cost the model, as its export measured it (None: not measured there)."""
+    return manifest.get("lm", {}).get("quantization", {}).get(target, {}).get("grid")
 
 
 def describe(scheme: str) -> dict:
     t = registry.quantized_by(scheme)
     s = t.scheme
-    return {"scheme": scheme, "base": t.parent, "what": s.what, "budget_max_rel": s.budget.max_rel,
-            "budget_kl_mean": s.budget.kl_mean, "budget_top1": s.budget.top1, "quantized_steps": list(s.quantized_steps)}
+    rule = registry.GRID_RULE
+    return {"scheme": scheme, "base": t.parent, "what": s.what, "quantized_steps": list(s.quantized_steps),
+            "budget_rule": {"headroom": rule.k, "floor": asdict(rule.floor), "cap": asdict(rule.cap)}}
 
 
 def calibration_inputs(config: AttentionConfig, kind: str, seed: int = 4321, text: Path | None = None) -> list[np.ndarray]:

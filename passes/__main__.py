@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 import registry
 from runtime.cli import Parser, run
+from runtime.metrics import Budget
 
 from .fix_dims import FixDimsError, check_pins, parse_pins
 from .leftovers import FUSED_OPS, unfused_attention
@@ -107,13 +108,11 @@ def rewrite(args) -> int:
 
 
 def _budget(target: str):
-    """A quantized target's outputs are held to its scheme's step budget; float targets' to their dtype's tolerance
-    (passes/verify.py)."""
-    scheme = registry.target(target).scheme
-    if scheme is None:
+    """A quantized target's outputs are held to its scheme's step budget, the rule's cap (a graph alone: no eager model
+    to measure the grid's cost on); float targets' to their dtype's tolerance (passes/verify.py)."""
+    if registry.target(target).scheme is None:
         return None
-    from export.quantize import step_budget  # torch and the exporter: only for the quantized targets
-    return step_budget(scheme.budget)
+    return Budget(registry.GRID_RULE.cap.max_rel)
 
 
 def _lowered(reports: list[dict]) -> int:

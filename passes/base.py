@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 import onnx_ir as ir
+import onnx_ir.passes.common  # noqa: F401 -- ir.passes.common, which `import onnx_ir` alone does not load
 
 from .build import commit, rollback, transaction
 

@@ -59,19 +59,37 @@ def _by_columns(w: np.ndarray, quantize, parts: int) -> tuple:
     return tuple(np.concatenate([p[i] for p in pieces]) for i in range(parts))
 
 
-def _q4_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rounded(w: np.ndarray, bits: int) -> np.ndarray:
+    """W [K, N] as its blocks decode (int4: Q4_1, int8: Q8_0): the weights a quantized product multiplies by, for
+    what the grid alone costs a model (export/grid_cost.py)."""
     blocks = _blocks(w)
-    low, high = blocks.min(-1), blocks.max(-1)
+    q, scale, low = _q4(blocks) if bits == 4 else (*_q8(blocks), 0.0)
+    n, k = w.shape[1], w.shape[0]
+    return (low + scale * q).reshape(n, k).T.astype(w.dtype)
+
+
+def _q4(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks [..., 32] -> (q in 0..15, d, m), each block = m + d * q."""
+    low, high = blocks.min(-1, keepdims=True), blocks.max(-1, keepdims=True)
     d = (high - low) / 15
-    q = np.clip(np.round((blocks - low[..., None]) / np.where(d == 0, 1, d)[..., None]), 0, 15).astype(np.uint8)
-    return _pack4(q), d.astype(w.dtype), (low + 8 * d).astype(w.dtype)
+    return np.clip(np.round((blocks - low) / np.where(d == 0, 1, d)), 0, 15), d, low
+
+
+def _q8(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks [..., 32] -> (q in -127..127, scale), each block = scale * q."""
+    scale = np.abs(blocks).max(-1, keepdims=True) / 127
+    return np.clip(np.round(blocks / np.where(scale == 0, 1, scale)), -127, 127), scale
+
+
+def _q4_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    q, d, low = _q4(_blocks(w))
+    d, low = d[..., 0], low[..., 0]
+    return _pack4(q.astype(np.uint8)), d.astype(w.dtype), (low + 8 * d).astype(w.dtype)
 
 
 def _q8_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    blocks = _blocks(w)
-    scale = np.abs(blocks).max(-1) / 127
-    q = np.clip(np.round(blocks / np.where(scale == 0, 1, scale)[..., None]), -127, 127)
-    return (q + 128).astype(np.uint8), scale.astype(w.dtype)
+    q, scale = _q8(_blocks(w))
+    return (q + 128).astype(np.uint8), scale[..., 0].astype(w.dtype)
 
 
 def _blocks(w: np.ndarray) -> np.ndarray:

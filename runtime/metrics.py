@@ -61,6 +61,28 @@ class Budget:
                              "max_rel exactly 1, so a budget of 1 or more passes it)")
 
 
+@dataclass(frozen=True)
+class GridRule:
+    """A quantization scheme's budget on a model: `k` times what the scheme's grid alone costs that model (its `grid`
+    figures: eager PyTorch with the weights, and the activations where the kernel rounds them, on the grid, everything
+    else fp32, against fp32 eager on the same prompts; export/grid_cost.py), each measure within [floor, cap]. The
+    floor is where the grid costs a model next to nothing; the cap is where a graph computing nothing right would
+    pass. Fed by the eager model alone: a graph's own error never moves its budget."""
+    k: float
+    floor: Budget
+    cap: Budget
+
+    def budget(self, grid: dict | None) -> Budget:
+        """The budget given the grid's figures (max_rel, kl_mean, top1); the cap where there are none (a graph
+        without its eager model, an export of one layer)."""
+        if grid is None:
+            return self.cap
+        within = lambda x, lo, hi: float(min(max(self.k * x, lo), hi))  # noqa: E731
+        miss = within(1 - grid["top1"], 1 - self.floor.top1, 1 - self.cap.top1)
+        return Budget(within(grid["max_rel"], self.floor.max_rel, self.cap.max_rel),
+                      kl_mean=within(grid["kl_mean"], self.floor.kl_mean, self.cap.kl_mean), top1=1 - miss)
+
+
 def error(actual: np.ndarray, expected: np.ndarray) -> dict:
     """max |a - e|, the same relative to max |e| (normwise relative), and whether `actual` is finite wherever
     `expected` is (a NaN or inf the reference does not have)."""

@@ -16,16 +16,18 @@ import torch
 import export.exporter as exporter
 import passes.__main__ as passes_cli
 from export.exporter import AccuracyError, ParityError
-from export.quantize import SCHEMES, budget, spell, step_budget
+from export.quantize import budget, step_budget
+from registry import GRID_RULE
 from models import build_model, preset
 from passes.verify import compare
 from runtime import accuracy
 from runtime.metrics import TOLERANCE, error, logit_error, why_not
 from runtime.parity import reference_model
 
-# Every budget in use: the float tolerances, and each scheme's, whole (the accuracy prompt set) and per step.
+# Every budget in use: the float tolerances, and the quantization rule's bounds (each scheme's budget on a model lies
+# between its floor and its cap), whole (the accuracy prompt set) and per step.
 BUDGETS = {f"float-{d}": budget("ort", t) for d, t in TOLERANCE.items()} | \
-          {f"{s}": SCHEMES[s].budget for s in SCHEMES} | {f"{s}-step": step_budget(SCHEMES[s].budget) for s in SCHEMES}
+          {"grid-floor": GRID_RULE.floor, "grid-cap": GRID_RULE.cap, "grid-cap-step": step_budget(GRID_RULE.cap)}
 
 
 # -- broken outputs (numpy) ----------------------------------------------------------------------------------------
@@ -76,12 +78,11 @@ def test_metrics_rule_refuses_broken_output(eager_outputs, output, fault, held):
     assert why_not(measure(ref.copy(), ref), BUDGETS[held]) is None  # and the reference itself passes
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("fault", ["zeros", "shuffled", "constant", "noise"])
-def test_metrics_distribution_measures_refuse_broken_logits(eager_outputs, fault, scheme):
-    """KL and top-1 refuse a broken output on their own too, beside max_rel."""
+def test_metrics_distribution_measures_refuse_broken_logits(eager_outputs, fault):
+    """KL and top-1 refuse a broken output on their own too, beside max_rel, at the loosest quantized budget."""
     ref, _ = eager_outputs["logits"]
-    err, held = logit_error(BROKEN[fault][0](ref), ref), SCHEMES[scheme].budget
+    err, held = logit_error(BROKEN[fault][0](ref), ref), GRID_RULE.cap
     assert err["kl_mean"] > held.kl_mean and err["top1"] < held.top1, err
 
 
@@ -214,7 +215,10 @@ def test_fp16_parity_follows_what_fp16_costs_the_model_and_refuses_zeros(tmp_pat
     assert exporter._budget(fp16, "npu", 1e-2).max_rel == pytest.approx(3e-2)
     assert exporter._budget(fp16, "npu", 0.5).max_rel == 0.05
     assert exporter._budget(preset("tiny"), "npu", 0.5).max_rel == 1e-4  # fp32 never follows a drift
-    assert exporter._budget(fp16, "ort-int4", 0.5) == step_budget(SCHEMES["int4"].budget)
+    assert exporter._budget(fp16, "ort-int4", 0.5) == step_budget(GRID_RULE.cap)  # no grid measured: the cap
+    grid = {"max_rel": 0.01, "kl_mean": 1e-3, "top1": 0.9}
+    assert exporter._budget(fp16, "ort-int4", 0.5, grid=grid, step="decode").max_rel == pytest.approx(0.03)
+    assert exporter._budget(fp16, "ort-int4", 0.5, grid=grid, step="prefill").max_rel == 0.05  # not quantized there
     real = exporter.step_case
     monkeypatch.setattr(exporter, "step_case", lambda *a, **k: _drifting(real(*a, **k), 0.5))
     _plant_in_export(monkeypatch, zero_output, "npu")
@@ -292,9 +296,8 @@ def test_an_fp16_graph_keeps_eager_argmax_where_eager_decides(tmp_path, monkeypa
 def test_quantized_step_parity_refuses_zero_logits_at_the_int4_budget(tmp_path, monkeypatch):
     """int4's is the loosest budget; its decode step was once recorded, not checked."""
     _plant_in_export(monkeypatch, zero_output, "ort-int4")
-    limit = SCHEMES["int4"].budget.max_rel
-    with pytest.raises(ParityError, match=f"^decode.ort-int4.onnx: step parity against fp32 eager PyTorch: max_rel 1 > "
-                                          rf"{limit:g} \(logits, p0=\d+\); expected max_rel <= {limit:g}$"):
+    with pytest.raises(ParityError, match=r"^decode.ort-int4.onnx: step parity against fp32 eager PyTorch: max_rel 1 > "
+                                          r"([\d.]+) \(logits, p0=\d+\); expected max_rel <= \1$"):
         exporter.export_model(preset("tiny"), tmp_path / "out", kind="lm", targets=("ort",), quant=("int4",),
                               log=lambda *_: None)
     assert not (tmp_path / "out").exists()
@@ -322,9 +325,9 @@ def test_quantized_accuracy_refuses_zero_logits(tmp_path, monkeypatch):
     real_measure, real_prompts = accuracy.measure, accuracy.prompt_set
     monkeypatch.setattr(accuracy, "prompt_set", lambda config: real_prompts(config)[:1])
     monkeypatch.setattr(accuracy, "measure", lambda driver, *args: real_measure(Faulty(driver, np.zeros_like), *args))
-    held = SCHEMES["int4"].budget
-    with pytest.raises(AccuracyError, match=rf"^ort-int4: accuracy on the prompt set against fp32 eager PyTorch: "
-                                            rf"max_rel 1 > {held.max_rel:g}; expected {spell(held)}$"):
+    with pytest.raises(AccuracyError, match=r"^ort-int4: accuracy on the prompt set against fp32 eager PyTorch: "
+                                            r"max_rel 1 > ([\d.]+); expected max_rel <= \1, kl_mean <= [\d.e-]+, "
+                                            r"top-1 >= \d+%$"):
         exporter.export_model(preset("tiny"), tmp_path / "out", kind="lm", targets=("ort",), quant=("int4",),
                               log=lambda *_: None)
     assert not (tmp_path / "out").exists()
@@ -381,15 +384,16 @@ def test_quantized_accuracy_measure_refuses(prompt_set, fault):
     assert accuracy.measure(Eager(model), prompts, refs)["top1"] == 1  # the unbroken driver is exact
     broken, trips = ACCURACY_FAULTS[fault]
     measured = accuracy.measure(Faulty(Eager(model), broken), prompts, refs)
-    for scheme in SCHEMES:
-        why = why_not(measured, SCHEMES[scheme].budget)
-        assert why is not None and why.startswith(trips), (scheme, why, measured)
+    for bound in (GRID_RULE.floor, GRID_RULE.cap):
+        why = why_not(measured, bound)
+        assert why is not None and why.startswith(trips), (bound, why, measured)
 
 
-def test_quantized_accuracy_top1_refuses_swapped_top2_at_int4(prompt_set):
-    """Every token wrong, yet within int4's max_rel and KL (random weights: the top two are near-ties): top-1 trips."""
+def test_quantized_accuracy_top1_refuses_swapped_top2_at_the_cap(prompt_set):
+    """Every token wrong, yet within the loosest quantized max_rel and KL (random weights: the top two are
+    near-ties): top-1 trips."""
     model, prompts, refs = prompt_set
-    measured, held = accuracy.measure(Faulty(Eager(model), _swap_top2), prompts, refs), SCHEMES["int4"].budget
+    measured, held = accuracy.measure(Faulty(Eager(model), _swap_top2), prompts, refs), GRID_RULE.cap
     assert measured["max_rel"] <= held.max_rel and measured["kl_mean"] <= held.kl_mean
     assert why_not(measured, held) == f"top-1 agreement 0% < {held.top1:.0%}"
 
@@ -436,7 +440,7 @@ def test_passes_verify_holds_int4_to_its_budget(lm_decode, tmp_path, monkeypatch
     _plant_in_cli(monkeypatch, zero_output)
     assert passes_cli.main([str(lm_decode), str(tmp_path / "z.onnx"), "--target", "ort-int4", "--verify"]) == 1
     assert capsys.readouterr().err == (f"error: verify against the graph before the passes: logits max_rel 1 > "
-                                       f"{SCHEMES['int4'].budget.max_rel:g}; {tmp_path / 'z.onnx'} not written\n")
+                                       f"{GRID_RULE.cap.max_rel:g}; {tmp_path / 'z.onnx'} not written\n")
 
 
 def test_passes_verify_compare_refuses_a_shape_change(exported, tmp_path):

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 import weakref
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,8 @@ from passes.lint import lint
 from passes.mixed_precision import MAX_FLOAT_WEIGHTS, METADATA
 from runtime import accuracy
 from runtime.artifacts import open_generator
+from registry import GRID_HEADROOM, GRID_RULE
+from runtime.metrics import Budget, GridRule, why_not
 from runtime.parity import reference_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,8 +46,8 @@ def test_quantized_steps_are_checked_on_prefilled_caches(exported):
     """Every quantized step is within its scheme's budget, measured on caches eager filled from a real prefix."""
     _, m = exported
     for g in (g for g in m["graphs"] if g.get("quantized")):
-        budget = SCHEMES[g["target"].partition("-")[2]].budget
-        assert g["parity"]["tolerance"] == budget.max_rel and g["parity"]["max_rel"] <= budget.max_rel, g["parity"]
+        budget = m["lm"]["quantization"][g["target"]]["budget"]  # the rule over what the scheme's grid costs tiny
+        assert g["parity"]["tolerance"] == budget["max_rel"] and g["parity"]["max_rel"] <= budget["max_rel"], g["parity"]
         assert g["parity"]["finite"] and 0 < g["parity"]["kl_mean"], g["parity"]  # the logits' KL is reported
 
 
@@ -222,7 +225,8 @@ def _w8a16(weights: str, out: Path) -> dict:
     a = m["lm"]["quantization"]["npu-w8a16"]["accuracy"]
     print(f"w8a16: steps max_rel {max(steps):.3f}, accuracy max_rel {a['max_rel']:.3f}, KL {a['kl_mean']:.2e}, "
           f"top-1 {a['top1']:.0%}")
-    assert max(steps) <= SCHEMES["w8a16"].budget.max_rel and a["max_rel"] <= SCHEMES["w8a16"].budget.max_rel
+    held = m["lm"]["quantization"]["npu-w8a16"]["budget"]["max_rel"]
+    assert max(steps) <= held and a["max_rel"] <= held
     return m
 
 
@@ -338,13 +342,47 @@ def test_accuracy_is_measured_and_within_budget(exported):
     q = m["lm"]["quantization"]
     assert set(q) == {"ort-int4", "ort-int8", "npu-w8a16"}
     for target, entry in q.items():
-        a = entry["accuracy"]
-        assert a["max_rel"] <= entry["budget_max_rel"] < 1 and a["kl_mean"] <= entry["budget_kl_mean"], target
-        assert a["top1"] >= entry["budget_top1"], target
+        a, held = entry["accuracy"], entry["budget"]
+        assert held == asdict(GRID_RULE.budget(entry["grid"])), target  # the rule over the grid, nothing else
+        assert a["max_rel"] <= held["max_rel"] < 1 and a["kl_mean"] <= held["kl_mean"], target
+        assert a["top1"] >= held["top1"], target
         assert 0 < a["kl_mean"] and 0 <= a["top1"] <= 1 and len(a["prompts"]) == accuracy.PROMPTS
     # more bits, closer to fp32: a scheme mix-up (int8 graphs written as int4) would break this
     assert q["ort-int8"]["accuracy"]["kl_mean"] < q["ort-int4"]["accuracy"]["kl_mean"]
     assert q["ort-int8"]["accuracy"]["max_rel"] < q["ort-int4"]["accuracy"]["max_rel"]
+
+
+def test_the_grid_rounds_what_the_graph_quantizes(exported):
+    """The budget's reference rounds the layers the int4 decode graph quantizes, no fewer (a model whose products the
+    reference misses would get a budget from a grid it does not have); and it costs something."""
+    out, m = exported
+    q = m["lm"]["quantization"]
+    graph = onnx.load(str(out / "decode.ort-int4.onnx"), load_external_data=False)
+    quantized = sum(np.prod([a.i for a in n.attribute if a.name in "KN"]) for n in graph.graph.node if n.op_type == "MatMulNBits")
+    assert q["ort-int4"]["grid"]["weights"] == q["ort-int8"]["grid"]["weights"] == quantized  # q, k, v packed in one
+    assert q["ort-int4"]["grid"]["layers"] == 7 * m["config"]["num_layers"] + 1
+    for target, entry in q.items():
+        assert 0 < entry["grid"]["kl_mean"] and entry["grid"]["max_rel"] > 0, target
+    assert q["ort-int4"]["grid"]["kl_mean"] > q["ort-int8"]["grid"]["kl_mean"]  # the coarser grid costs more
+
+
+def test_a_graph_on_a_coarser_grid_than_its_scheme_is_refused(exported):
+    """Planted: int4 graphs labelled int8. The int8 budget follows what int8's grid costs this model, so the int4
+    graph's accuracy misses it; a budget set where the gated graph landed would have passed it."""
+    _, m = exported
+    q = m["lm"]["quantization"]
+    int4, held = q["ort-int4"]["accuracy"], Budget(**q["ort-int8"]["budget"])
+    assert why_not(int4, held) is not None and why_not(q["ort-int8"]["accuracy"], held) is None
+
+
+def test_the_rule_follows_the_grid_within_its_floor_and_cap():
+    rule = GridRule(3.0, floor=Budget(1e-2, kl_mean=1e-4, top1=0.95), cap=Budget(0.75, kl_mean=0.5, top1=0.25))
+    assert rule.budget(None) == rule.cap
+    got = rule.budget({"max_rel": 0.1, "kl_mean": 0.01, "top1": 0.9})
+    assert (got.max_rel, got.kl_mean, got.top1) == pytest.approx((0.3, 0.03, 0.7))
+    assert rule.budget({"max_rel": 0.0, "kl_mean": 0.0, "top1": 1.0}) == Budget(1e-2, kl_mean=1e-4, top1=0.95)
+    assert rule.budget({"max_rel": 0.5, "kl_mean": 1.0, "top1": 0.1}) == Budget(0.75, kl_mean=0.5, top1=0.25)
+    assert GRID_RULE.k == GRID_HEADROOM
 
 
 def test_the_accuracy_measure_can_fail(exported):

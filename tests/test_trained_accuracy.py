@@ -11,7 +11,7 @@ import torch
 from benchmarks import accuracy as bench
 from benchmarks.report import accuracy_markdown
 from export import export_model
-from export.quantize import SCHEMES
+from registry import GRID_RULE
 from models import build_model, model_config, preset
 from runtime import accuracy
 from runtime.artifacts import open_generator
@@ -140,7 +140,7 @@ def test_int4_at_accuracy_level_0_is_the_same_weights_in_fp32_compute(tmp_path):
         assert levels(copy) == {0} and levels(original) == {4}
     level_0 = open_generator(out, "ort-int4", manifest=manifest, provider="cpu")
     level_4 = open_generator(out, "ort-int4", provider="cpu")
-    assert accuracy.measure(level_0, prompts, refs)["kl_mean"] < SCHEMES["int4"].budget.kl_mean
+    assert accuracy.measure(level_0, prompts, refs)["kl_mean"] < GRID_RULE.cap.kl_mean
     logits = []
     for driver in (level_0, level_4):  # a decode step: prefill keeps fp32 weights
         driver.reset()
