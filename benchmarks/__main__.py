@@ -258,7 +258,7 @@ def model_configs(config, kinds) -> dict:
 
 
 def bench(args) -> int:
-    config, out = preset(args.preset), Path(args.out)
+    config, out, start = preset(args.preset), Path(args.out), provenance.stamp(also=("benchmarks.worker",))
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}; expected at least 1")
     configs = model_configs(config, [k for k in KINDS if k in args.kinds and (not args.quick or k in ("attention", "lm"))])
@@ -308,7 +308,9 @@ def bench(args) -> int:
            "models": {k: c.to_dict() for k, c in configs.items() if k in FOLDER_MODELS},
            "workloads": {w.name: {"bytes": w.working_set(configs[w.kind]), "flops": w.flops(configs[w.kind])}
                          for w in jobs},
-           "results": results, "runs": [provenance.stamp(also=("benchmarks.worker",))]}
+           "results": results}
+    provenance.unchanged(start)
+    doc["runs"] = [provenance.stamp(also=("benchmarks.worker",))]
     if len(configs) == 1 and next(iter(configs)) in FOLDER_MODELS:  # a folder model alone: its own folder
         out = out / next(iter(configs))
     out.mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
 
 def measure_all(args) -> int:
-    config, out = preset(args.preset), Path(args.out)
+    config, out, start = preset(args.preset), Path(args.out), provenance.stamp()
     wanted = _wanted(args.engines, TARGETS + PEERS, out / "accuracy.json")
     folders = prepare(config, "lm", out / ".work" / f"{args.preset}-lm", [p for p in PEERS if p in wanted],
                       quantized=True)
@@ -90,7 +90,7 @@ def measure_all(args) -> int:
         print(f"{peer:14s} {_line(rows[peer])}", flush=True)
     doc = _kept({"preset": args.preset, "reference": "eager PyTorch fp32, same weights",
                  "prompts": [int(p.shape[1]) for p in prompts], "decode_steps": accuracy.DECODE_STEPS, "results": rows},
-                out / "accuracy.json", TARGETS + PEERS, wanted)
+                out / "accuracy.json", TARGETS + PEERS, wanted, start)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "accuracy.md").write_text(beside(out / "accuracy.json", doc, accuracy_markdown))
@@ -99,7 +99,7 @@ def measure_all(args) -> int:
 
 
 def measure_trained(args) -> int:
-    config = model_configs(preset(args.preset), [args.model])[args.model]
+    config, start = model_configs(preset(args.preset), [args.model])[args.model], provenance.stamp()
     weights, out = ARTIFACTS / args.model, Path(args.out)
     engines = TRAINED_TARGETS + GENAI + LLAMACPP
     wanted = _wanted(args.engines, engines, out / args.model / "accuracy.json")
@@ -116,9 +116,9 @@ def measure_trained(args) -> int:
         print(f"{name:14s} " + (f"unavailable: {driver}" if isinstance(driver, str) else _line(rows[name])), flush=True)
     doc = _kept({"model": args.model, "reference": "transformers fp32 (its own generate, greedy), same folder",
                  "prompts": [{"kind": p["kind"], "tokens": int(ids.shape[1])}
-                             for p, ids in zip(_prompt_file(), prompts)],
+                             for p, ids in zip(prompt_file(), prompts)],
                  "decode_steps": TRAINED_STEPS, "tie": accuracy.TIE, "results": rows},
-                out / args.model / "accuracy.json", engines, wanted)
+                out / args.model / "accuracy.json", engines, wanted, start)
     target = out / args.model
     target.mkdir(parents=True, exist_ok=True)
     (target / "accuracy.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -138,7 +138,7 @@ def held(name: str, model, prompts: list, refs: list, vocab_size: int) -> dict:
     return {"grid": grid, "budget": asdict(registry.GRID_RULE.budget(grid))}
 
 
-def _prompt_file() -> list[dict]:
+def prompt_file() -> list[dict]:
     return json.loads(PROMPTS.read_text())["prompts"]
 
 
@@ -147,7 +147,7 @@ def trained_prompts(folder: Path) -> list[np.ndarray]:
     (the assistant's turn opened, as runtime.generate --chat does), prose and code as plain text (--prompt)."""
     tokenizer = load_tokenizer(folder)
     return [np.array([chat_ids(tokenizer, p["text"], str(folder)) if p["kind"] == "chat" else
-                      prompt_ids(tokenizer, p["text"])]) for p in _prompt_file()]
+                      prompt_ids(tokenizer, p["text"])]) for p in prompt_file()]
 
 
 def _wanted(engines: list[str] | None, known: tuple, previous: Path) -> set[str]:
@@ -162,9 +162,11 @@ def _wanted(engines: list[str] | None, known: tuple, previous: Path) -> set[str]
     return set(engines)
 
 
-def _kept(doc: dict, previous: Path, order: tuple, wanted: set[str]) -> dict:
+def _kept(doc: dict, previous: Path, order: tuple, wanted: set[str], start: dict) -> dict:
     """`doc`, in `order`, and where only some engines were `wanted`, the rows of `previous` it did not measure; each
-    row's `measured`: this run or an earlier. Refuses to mix tables of other prompts or other decode steps."""
+    row's `measured`: this run or an earlier. Refuses to mix tables of other prompts or other decode steps, and a run
+    whose code changed since it started (`start`, its stamp then)."""
+    provenance.unchanged(start)
     run, old = provenance.stamp(), None
     rows = {name: dict(row, measured=run["date"]) for name, row in doc["results"].items()}
     if wanted != set(order):  # _wanted made sure `previous` exists

@@ -27,18 +27,22 @@ from runtime.cli import Parser, run
 
 from . import provenance
 from .__main__ import ROOT, model_configs, prepare_folder, round_order
-from .accuracy import trained_prompts
+from .accuracy import prompt_file, trained_prompts
 from .report import beside, fresh_markdown
 from .workloads import GENAI, TRAINED, target_of
 
 ENGINES = ("ort-ort", "ort-npu", "genai-fp32", "ort-ort-int4", "genai-int4")
 LENGTHS = (128, 1024)  # prompt tokens: a chat turn, and a long document
 NEW_TOKENS = 65  # a first token and 64 decode steps
+RUNS = ("runtime.generate", "benchmarks.genai_generate")  # what the timed processes run
 
 
 def prompt(folder: Path, length: int) -> list[int]:
-    """The first `length` ids of the committed prompts, end to end (repeated if they run short)."""
-    ids = [int(t) for p in trained_prompts(folder) for t in p[0]]
+    """The first `length` ids of the committed plain-text prompts (prose and code), end to end, repeated if they run
+    short: a document the model goes on writing. A chat turn's answer ends at its eos (SmolLM2 wrote 6 tokens after
+    the chats' ids cut at 128), and a median over so few steps is that of the session's first, slower, runs."""
+    kinds = [p["kind"] for p in prompt_file()]
+    ids = [int(t) for p, kind in zip(trained_prompts(folder), kinds) if kind != "chat" for t in p[0]]
     return (ids * (length // len(ids) + 1))[:length]
 
 
@@ -86,6 +90,7 @@ def summary(results: list[dict]) -> dict:
             "crossing_steps": crossings(results[0]),
             "crossing_over_median": statistics.median(crossing) if crossing else None,
             "peak_rss_bytes": med("peak_rss_bytes"), "generated_ids": results[0]["generated_ids"],
+            "decode_steps": min(len(r["decode_ms_steps"]) for r in results),
             "rounds": [{k: v for k, v in r.items() if k not in ("prompt_ids", "generated_ids")} for r in results]}
 
 
@@ -123,15 +128,16 @@ def bench(args) -> int:
     if max(args.lengths) + NEW_TOKENS > config.capacity:
         raise ValueError(f"--lengths up to {max(args.lengths)}: with {NEW_TOKENS} new tokens that passes the cache's "
                          f"{config.capacity} rows; expected at most {config.capacity - NEW_TOKENS}")
-    out = Path(args.out)
+    out, start = Path(args.out), provenance.stamp(also=RUNS)
     folders = prepare_folder(config, args.model, out / ".work" / args.model, args.engines)
     folders["export"] = folders[args.model]
     if missing := [e for e in args.engines if e in GENAI and e not in folders]:
         raise RuntimeError(f"{', '.join(missing)}: onnxruntime-genai is not installed; expected it (make setup)")
     doc = {"model": args.model, "threads": args.threads, "rounds": args.rounds, "new_tokens": NEW_TOKENS,
            "round_order": "the order reversed every other round",
-           "results": measure(folders, args.engines, args.lengths, args.rounds, args.threads),
-           "runs": [provenance.stamp(also=("runtime.generate", "benchmarks.genai_generate"))]}
+           "results": measure(folders, args.engines, args.lengths, args.rounds, args.threads)}
+    provenance.unchanged(start)
+    doc["runs"] = [provenance.stamp(also=RUNS)]
     path = out / args.model / "fresh.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")

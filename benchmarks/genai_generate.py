@@ -16,7 +16,8 @@ import time
 import numpy as np
 
 from runtime.cli import Parser, run
-from runtime.generate import _ids, peak_rss_bytes
+from runtime.cli import peak_rss_bytes
+from runtime.generate import _ids
 
 from .peers import genai_model
 

@@ -74,6 +74,14 @@ def stamp(also: tuple[str, ...] = ()) -> dict:
             "code": {path: fingerprint(ROOT / path) for path in imported(also)}}
 
 
+def unchanged(start: dict) -> None:
+    """Raise unless every module the run had imported when it started (`start`, its stamp then) is as it was: a module
+    changed while the run measured would stamp its figures with code the run did not execute."""
+    if moved := sorted(path for path, digest in start["code"].items() if fingerprint(ROOT / path) != digest):
+        raise RuntimeError(f"the code changed while the run measured ({', '.join(moved)}); expected it unchanged: "
+                           "rerun on the current code")
+
+
 def runs(doc: dict) -> list[dict]:
     """The stamps of the runs whose figures a result file holds."""
     return doc.get("runs", [])

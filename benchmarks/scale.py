@@ -2,7 +2,7 @@
 
 Random-weight Hugging Face folders of real shapes, saved as transformers saves them (bf16 safetensors, sharded
 above 2 GB), each exported by `python -m export --kind lm` in its own process: the default window ladder and every
-target, and again with `--quant int4`. Per run: wall time, peak RSS (the process's own, from wait4), the weights
+target, and again with `--quant int4`. Per run: wall time, peak RSS (the process's own, as it reports it), the weights
 file and graph bytes, and the export's own split of its time (its closing `time: ...` line). A run that fails is a
 row with its `error:` line. Not part of the test suite: the 1.7B shape alone takes minutes and gigabytes.
 
@@ -43,6 +43,7 @@ SHAPES = {
 }
 VARIANTS = {"fp32": [], "int4": ["--quant", "int4"]}
 STAGES = re.compile(r"^time: (\d+) s \((.*)\)$")
+PEAK = re.compile(r"^peak memory: ([\d.]+) GiB$")  # export/__main__.py's last line
 
 
 def make_folder(name: str, folder: Path) -> int:
@@ -92,10 +93,12 @@ def export_run(folder: Path, out: Path, extra: list[str], timeout: float) -> dic
                 proc.kill()
             time.sleep(0.5)
     wall = time.perf_counter() - start
-    _, code, usage = status
+    _, code, _ = status
     lines = log_path.read_text(errors="replace").splitlines()
-    row = {"command": " ".join(cmd[1:]), "wall_s": round(wall, 1), "peak_rss_bytes": usage.ru_maxrss * 1024,
-           "exit": os.waitstatus_to_exitcode(code)}
+    row = {"command": " ".join(cmd[1:]), "wall_s": round(wall, 1), "exit": os.waitstatus_to_exitcode(code)}
+    # the export's own peak (its last line): wait4's rusage also counts the pages of this process it was forked from
+    peak = next((PEAK.match(ln) for ln in reversed(lines) if PEAK.match(ln)), None)
+    row["peak_rss_bytes"] = round(float(peak[1]) * 2**30) if peak else None
     if row["exit"] != 0:
         row["error"] = next((ln for ln in reversed(lines) if ln.startswith("error:")),
                             f"exited with {row['exit']}" + (" (timed out)" if wall >= timeout else ""))
@@ -116,8 +119,9 @@ def markdown(doc: dict) -> str:
              "| graphs | stages (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         fp32 = 4 * r["params"]
-        head = f"| {r['model']} | {r['params'] / 1e6:.0f}M | {fp32 / GB:.2f} | {r['variant']} | {r['wall_s']:.0f} | " \
-               f"{r['peak_rss_bytes'] / GB:.2f} | {r['peak_rss_bytes'] / fp32:.2f}x | "
+        peak = r.get("peak_rss_bytes")
+        head = f"| {r['model']} | {r['params'] / 1e6:.0f}M | {fp32 / GB:.2f} | {r['variant']} | {r['wall_s']:.0f} | " + \
+               (f"{peak / GB:.2f} | {peak / fp32:.2f}x | " if peak else "not reported | | ")
         if "error" in r:
             lines.append(head + f"failed: {r['error'][:160]} | | |")
             continue
@@ -173,7 +177,7 @@ def main(argv=None) -> int:
 def measure(args) -> int:
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, start = [], provenance.stamp(also=("export.__main__",))
     for name in args.models:
         params = make_folder(name, work / name)
         for variant in args.variants:
@@ -181,9 +185,10 @@ def measure(args) -> int:
             row = {"model": name, "params": params, "variant": variant,
                    **export_run(work / name, work / f"{name}-{variant}", VARIANTS[variant], args.timeout)}
             shutil.rmtree(work / f"{name}-{variant}", ignore_errors=True)  # gigabytes each; the row keeps the sizes
-            print(f"  {row['wall_s']:.0f} s, peak RSS {row['peak_rss_bytes'] / GB:.2f} GiB"
-                  + (f": {row['error']}" if "error" in row else ""), flush=True)
+            peak = f"{row['peak_rss_bytes'] / GB:.2f} GiB" if row["peak_rss_bytes"] else "not reported"
+            print(f"  {row['wall_s']:.0f} s, peak RSS {peak}" + (f": {row['error']}" if "error" in row else ""), flush=True)
             results.append(row)
+    provenance.unchanged(start)
     earlier = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
     doc = provenance.keep({"machine": f"{provenance.cpu()}, {os.cpu_count()} cores", "results": _merged(out, results)},
                           earlier, provenance.stamp(also=("export.__main__",)))

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from runtime.generate import peak_rss_bytes
+from runtime.cli import peak_rss_bytes
 
 
 def reset_peak_rss() -> None:

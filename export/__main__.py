@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 
 from models import KINDS, PRESETS, AttentionConfig, preset
-from runtime.cli import Parser, run
+from runtime.cli import Parser, peak_rss_bytes, run
 
 from .exporter import export_model
 from .quantize import parse as parse_quant
@@ -75,6 +75,8 @@ def _export(args) -> int:
     export_model(config, out, kind=args.kind, seed=args.seed, weights=args.weights, layer=args.layer, opset=args.opset,
                  quant=parse_quant(args.quant), windows=parse_windows(args.windows, config), log=partial(print, flush=True),
                  bar=sys.stderr.isatty())
+    if (peak := peak_rss_bytes()) is not None:
+        print(f"peak memory: {peak / 2**30:.2f} GiB", flush=True)  # this process's own (VmHWM); benchmarks.scale reads it
     return 0
 
 

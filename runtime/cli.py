@@ -30,3 +30,13 @@ def run(main, args, status: int = 1) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"error: {message}", file=sys.stderr)
         return status
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far, or None off Linux. Linux's VmHWM counts the image after exec alone;
+    the rusage a parent reads from wait4 also counts the pages of the parent it was forked from."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None

@@ -25,7 +25,7 @@ import numpy as np
 import registry
 
 from .artifacts import ArtifactError, load_manifest, open_generator
-from .cli import Parser, run
+from .cli import Parser, peak_rss_bytes, run
 from .drivers import Driver
 from .text import TextError, TextStream, chat_ids, has_tokenizer, load_tokenizer, prompt_ids
 
@@ -109,16 +109,6 @@ def generate(driver: Driver, prompt: list[int], max_new_tokens: int, sampling: S
             "decode_ms_median": float(np.median(steps)) if steps else None,
             "decode_ms_worst": max(steps, default=None), "decode_ms_steps": steps, "decode_windows": windows,
             "tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 and decode_s > 0 else 0.0}
-
-
-def peak_rss_bytes() -> int | None:
-    """This process's peak resident memory so far, or None off Linux. Linux's VmHWM counts the image after exec alone;
-    the rusage a parent reads from wait4 also counts the pages of the parent it was forked from."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def _ids(text: str) -> list[int]:
