@@ -1,10 +1,12 @@
 """What a quantization scheme's grid alone costs a model: the reference its budget follows (registry.GRID_RULE).
 
 Eager PyTorch with every linear layer's weight rounded onto the scheme's grid as its graph stores it (the lm_head on
-its own grid where the scheme gives it one), and each layer's input rounded as the scheme rounds activations (int8
-per block of 32 where MatMulNBits computes at accuracy level 4; uint16 per tensor for QDQ), everything else fp32: the whole model's next-token logits
-on the prompt set, teacher-forced on eager fp32's own greedy tokens, against fp32's. A graph of the scheme is held to
-GRID_HEADROOM times these figures: they measure the scheme on this model, not the graph.
+its own grid where the scheme gives it one), and the activations rounded as the scheme rounds them (each product's
+input to int8 per block of 32 where MatMulNBits computes at accuracy level 4; every module's output to uint16 per
+tensor for QDQ), everything else fp32: the whole model's next-token logits on the prompt set, teacher-forced on eager
+fp32's own greedy tokens, against fp32's. A graph of the scheme is held to GRID_HEADROOM times these figures: they
+measure the scheme on this model, not the graph. The reference rounds every product where a graph may keep some
+float (int4's prefill, w8a16's excluded readers), so it is no finer than the graph.
 
 The rounding happens in each layer's forward hooks, one layer's weight at a time, so the model is never held twice: a
 0.6B model's layers rounded at every forward of the prompt set cost seconds, a rounded copy 2.4 GB.
