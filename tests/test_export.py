@@ -1,5 +1,6 @@
 """What `python -m export` writes: two static graphs in the step contract, and a manifest that describes them."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,8 +74,9 @@ def test_cli_exports(tmp_path):
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     # a line per step as its graphs are saved; per target, a line per graph as it is checked ([k/8]) and its
-    # sequence parity; the folder, the manifest, the time
-    assert len(lines) == 17 and lines[0].startswith("prefill over 64 rows: 4 graph(s) saved")
+    # sequence parity; the folder, the manifest, the time, the process's own peak memory
+    assert len(lines) == 18 and lines[0].startswith("prefill over 64 rows: 4 graph(s) saved")
+    assert re.fullmatch(r"peak memory: \d+\.\d\d GiB", lines.pop())
     lines = lines[2:]
     assert lines[0].startswith("[1/8] prefill.raw.onnx") and "parity vs eager max rel" in lines[0]
     assert lines[2].startswith("raw: sequence parity") and lines[-1].startswith("time: ")

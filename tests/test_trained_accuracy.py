@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from benchmarks import accuracy as bench
+from benchmarks import accuracy as bench, provenance
 from benchmarks.report import accuracy_markdown
 from export import export_model
 from registry import GRID_RULE
@@ -179,7 +179,11 @@ def test_engines_reruns_some_rows_and_keeps_the_others(tmp_path):
     with pytest.raises(ValueError, match=r"unknown engine\(s\) \['npu'\]"):
         bench._wanted(["npu"], order, previous)
     assert bench._wanted(["npu-w8a16"], order, previous) == {"npu-w8a16"}
-    doc = bench._kept(dict(base, results={"npu-w8a16": row(0.01)}), previous, order, {"npu-w8a16"})
+    start = provenance.stamp()
+    moved = dict(start, code=dict(start["code"], **{"registry.py": "edited-mid-run"}))  # planted: code changed mid-run
+    with pytest.raises(RuntimeError, match=r"the code changed while the run measured \(registry.py\)"):
+        bench._kept(dict(base, results={"npu-w8a16": row(0.01)}), previous, order, {"npu-w8a16"}, moved)
+    doc = bench._kept(dict(base, results={"npu-w8a16": row(0.01)}), previous, order, {"npu-w8a16"}, start)
     assert list(doc["results"]) == list(order)
     assert doc["results"]["npu-w8a16"]["kl_mean"] == 0.01 and doc["results"]["ort"] == row(1e-9)
     md = accuracy_markdown(doc)
@@ -187,13 +191,14 @@ def test_engines_reruns_some_rows_and_keeps_the_others(tmp_path):
     stamp = doc["results"]["npu-w8a16"]["measured"]
     assert f"Rows from more than one run (`python -m benchmarks.accuracy --engines`): ort, genai-int4: an earlier " \
            f"run; npu-w8a16: {stamp}." in md
-    full = bench._kept(dict(base, results={n: row(0.1) for n in order}), previous, order, set(order))  # no note
+    full = bench._kept(dict(base, results={n: row(0.1) for n in order}), previous, order, set(order), start)  # no note
     assert "more than one run" not in accuracy_markdown(full)
     # a whole run that could not measure an engine (genai not installed) does not carry that engine's old row
-    assert list(bench._kept(dict(base, results={"ort": row(0.1)}), previous, order, set(order))["results"]) == ["ort"]
+    alone = bench._kept(dict(base, results={"ort": row(0.1)}), previous, order, set(order), start)
+    assert list(alone["results"]) == ["ort"]
     with pytest.raises(ValueError, match="measured on other prompts"):
         bench._kept(dict(base, prompts=[{"kind": "code", "tokens": 9}], results={"ort": row(0)}), previous, order,
-                    {"ort"})
+                    {"ort"}, start)
 
 
 def test_engines_without_a_table_is_refused_before_anything_is_exported(tmp_path, capsys):
