@@ -73,8 +73,9 @@ def reads_live_rows_only(manifest: dict, target: str) -> bool:
 
 def open_generator(folder: str | Path, target: str | None = None, ladder: bool = True, manifest: dict | None = None,
                    **session_options) -> Driver:
-    """A generation driver (host-cache for `npu`) over one target's prefill and decode graphs, every session open
-    before it returns: over the export's window ladder, or with `ladder=False` over the capacity's graphs alone.
+    """A generation driver (host-cache for `npu`) over one target's prefill and decode graphs, every session open and
+    every decode session run once (Driver.warm) before it returns: over the export's window ladder, or with
+    `ladder=False` over the capacity's graphs alone.
     `manifest`: the folder's, unless given (an export checking what it just wrote).
 
     A target whose attention reads only the rows in use runs over the capacity's graphs alone: a ladder would only
@@ -93,6 +94,6 @@ def open_generator(folder: str | Path, target: str | None = None, ladder: bool =
                                    **session_options) for step in registry.STEPS) for w in sizes}
     first, larger = sessions.pop(sizes[0]), sessions
     host = graph_entry(manifest, "decode", target).get("host_cache")
-    if host:
-        return HostCacheGenerator(*first, host["mask_value"], larger)
-    return Generator(*first, larger)
+    driver = HostCacheGenerator(*first, host["mask_value"], larger) if host else Generator(*first, larger)
+    driver.warm()
+    return driver

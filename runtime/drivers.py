@@ -75,6 +75,15 @@ class Driver:
         """Start a new sequence; old rows need no clearing, as a query only sees rows <= its position."""
         self.position = 0
 
+    def warm(self) -> None:
+        """Run each window's decode step once, at the window's last row, so that no step a user waits for is a
+        session's first run: a first run sets up its buffers, about 2x a later step (in a ladder, at a window crossing).
+        The rows it writes are past any a sequence has written (unspecified until one does); position stays 0."""
+        token = np.zeros((self.batch, 1, *self.features), self.input_dtype)
+        for window in self.windows:
+            self._run("decode", token, window - 1)
+        self.reset()
+
     def _check_prompt(self, x: np.ndarray) -> None:
         if x.ndim != 2 + len(self.features) or x.shape[0] != self.batch or list(x.shape[2:]) != self.features:
             want = ", ".join(str(d) for d in [self.batch, "L", *self.features])

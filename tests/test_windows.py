@@ -217,6 +217,26 @@ def test_a_ladder_opens_every_window_up_front_on_one_mapping(exported, monkeypat
     assert not any(_prepacks(s) for s in sessions)
 
 
+@pytest.mark.parametrize("target", SWITCHING)
+def test_every_decode_session_has_run_before_the_first_step(exported, monkeypatch, target):
+    """A session's first run sets up its buffers (about 2x a later step; in a ladder, at a window crossing): the driver
+    runs each window's decode step once as it opens, at that window's last row, and starts at position 0. Planted: a
+    driver that skipped its warm-up records no such runs."""
+    from runtime.drivers import Driver
+    art, runs = exported("lm", windows=LADDER), []
+    real = Driver._run
+    monkeypatch.setattr(Driver, "_run", lambda self, step, x, p0: runs.append((step, p0, self.window)) or
+                        real(self, step, x, p0))
+    gen = art.generator(target)
+    assert runs == [("decode", w - 1, prev) for w, prev in zip(LADDER, (LADDER[0], *LADDER[:-1]))] and gen.position == 0
+    res = token_parity(art.model(), gen, art.config, prompt_len=12, decode_steps=30, seed=7)
+    assert within(res, "fp32"), res  # the rows the warm-up wrote change no output
+    monkeypatch.setattr(Driver, "warm", lambda self: None)
+    runs.clear()
+    art.generator(target)
+    assert runs == []
+
+
 @pytest.mark.parametrize("threshold, shared", [(0, True), (1 << 40, False)])
 def test_gqa_runs_over_the_capacity_alone_its_decode_pre_packed(exported, monkeypatch, threshold, shared):
     """GroupQueryAttention reads only the rows in use, so the ort target runs over the capacity's graphs alone, two
