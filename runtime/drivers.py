@@ -78,10 +78,14 @@ class Driver:
     def warm(self) -> None:
         """Run each window's decode step once, at the window's last row, so that no step a user waits for is a
         session's first run: a first run sets up its buffers, about 2x a later step (in a ladder, at a window crossing).
-        The rows it writes are past any a sequence has written (unspecified until one does); position stays 0."""
-        token = np.zeros((self.batch, 1, *self.features), self.input_dtype)
+        The rows it writes are past any a sequence has written (unspecified until one does); it ends where an opened
+        driver starts, in the smallest window at position 0."""
+        token, smallest = np.zeros((self.batch, 1, *self.features), self.input_dtype), self.windows[0]
         for window in self.windows:
             self._run("decode", token, window - 1)
+        if self.window != smallest:  # back where an opened driver starts
+            self._move(smallest)
+            self.window = smallest
         self.reset()
 
     def _check_prompt(self, x: np.ndarray) -> None:

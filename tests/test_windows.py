@@ -228,7 +228,8 @@ def test_every_decode_session_has_run_before_the_first_step(exported, monkeypatc
     monkeypatch.setattr(Driver, "_run", lambda self, step, x, p0: runs.append((step, p0, self.window)) or
                         real(self, step, x, p0))
     gen = art.generator(target)
-    assert runs == [("decode", w - 1, prev) for w, prev in zip(LADDER, (LADDER[0], *LADDER[:-1]))] and gen.position == 0
+    assert runs == [("decode", w - 1, prev) for w, prev in zip(LADDER, (LADDER[0], *LADDER[:-1]))]
+    assert gen.position == 0 and gen.window == LADDER[0]
     res = token_parity(art.model(), gen, art.config, prompt_len=12, decode_steps=30, seed=7)
     assert within(res, "fp32"), res  # the rows the warm-up wrote change no output
     monkeypatch.setattr(Driver, "warm", lambda self: None)
