@@ -210,14 +210,17 @@ class CacheBuffers:
         return [flat[:math.prod(shape)].reshape(shape) for flat in self._flat]
 
     def move(self, old: int, new: int) -> list[np.ndarray]:
-        """The views for window `new`, holding the first min(old, new) rows the `old` views held, zeros after."""
-        keep = min(old, new)
-        rows = [v[:, :, :keep].copy() for v in self.view(old)]  # the layouts overlap in memory
-        views = self.view(new)
-        for view, r in zip(views, rows):
-            view[:, :, :keep] = r
-            view[:, :, keep:] = 0
-        return views
+        """The views for window `new`, holding the first min(old, new) rows the `old` views held (rows past them are
+        unspecified: whatever finite values the buffer held). The rows move in place, one (batch, head) block at a
+        time, in the order that reads every block before any other block's rows overwrite it: last first when the
+        window grows, first first when it shrinks."""
+        b, kv, _, d = self._shape(1)
+        keep, blocks = min(old, new) * d, range(b * kv)
+        for flat in self._flat:
+            for i in (reversed(blocks) if new > old else blocks):
+                if i:  # block 0 starts at 0 in every layout
+                    flat[i * new * d:i * new * d + keep] = flat[i * old * d:i * old * d + keep]
+        return self.view(new)
 
 
 class Generator(Driver):

@@ -27,6 +27,7 @@ import registry
 from .artifacts import ArtifactError, load_manifest, open_generator
 from .cli import Parser, peak_rss_bytes, run
 from .drivers import Driver
+from .session import one_pool
 from .text import TextError, TextStream, chat_ids, has_tokenizer, load_tokenizer, prompt_ids
 
 
@@ -149,8 +150,12 @@ def parser() -> Parser:
     return p
 
 
-def main(argv=None) -> int:
-    return run(_main, parser().parse_args(argv))
+def main(argv=None, process: bool = False) -> int:
+    """`process`: this process is the command's own (python -m runtime.generate), so its sessions share one thread
+    pool (runtime/session.one_pool)."""
+    args = parser().parse_args(argv)
+    args.one_pool = process
+    return run(_main, args)
 
 
 def _main(args) -> int:
@@ -172,6 +177,8 @@ def _main(args) -> int:
     if any(not 0 <= t < vocab for t in prompt):
         raise ValueError(f"prompt ids {prompt[:8]}...: expected ids in 0..{vocab - 1}")
     opening = time.perf_counter()
+    if args.one_pool:
+        one_pool(args.threads)
     driver = open_generator(args.folder, args.target, provider=args.provider, threads=args.threads)
     open_ms = (time.perf_counter() - opening) * 1e3
     eos = tuple(args.eos if args.eos is not None else manifest["lm"].get("eos_token_ids", []))
@@ -209,4 +216,4 @@ class _IdStream:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(process=True))

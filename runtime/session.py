@@ -23,6 +23,20 @@ _ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(
               "tensor(int32)": "int32", "tensor(bool)": "bool"}
 
 
+_POOL: list[int] = []  # the threads of this process's one pool, once the process chose one (one_pool)
+
+
+def one_pool(threads: int) -> None:
+    """Run every StepSession this process opens on one onnxruntime thread pool of `threads` threads (0: all cores),
+    for a process that runs one driver alone (python -m runtime.generate). A driver's sessions take turns, so one pool
+    serves them all; with a pool each, the prefill session's threads still spin when the first decode step runs,
+    which then takes 2x a later step. onnxruntime then refuses any session with a pool of its own in the process,
+    so a process that opens sessions through other code (tests, the export) keeps a pool per session."""
+    if not _POOL:
+        ort.set_global_thread_pool_sizes(threads, 1)
+        _POOL.append(threads)
+
+
 class FeedError(ValueError):
     """A feed that does not fit the graph's contract."""
 
@@ -83,7 +97,10 @@ class StepSession:
             raise ValueError(f"unknown graph optimisation level {opt_level!r}: expected one of {', '.join(OPT_LEVELS)}")
         options = ort.SessionOptions()
         options.graph_optimization_level = OPT_LEVELS[opt_level]
-        options.intra_op_num_threads = threads
+        if _POOL:
+            options.use_per_session_threads = False  # the process's one pool (one_pool), whatever `threads` says
+        else:
+            options.intra_op_num_threads = threads
         options.log_severity_level = 3
         options.enable_profiling = profile
         if weights is not None:

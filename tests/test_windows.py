@@ -270,3 +270,21 @@ def test_a_fresh_generate_process_reports_each_steps_window(exported):
     assert result["decode_windows"] == [16] * 4 + [32] * 16 + [64] * 32
     assert crossings(result) == [4, 20] and len(result["decode_ms_steps"]) == 52
     assert result["peak_rss_bytes"] > 50 << 20 and result["open_ms"] > 0
+
+
+def test_a_generate_process_runs_every_session_on_one_pool(exported):
+    """`python -m runtime.generate` opens its sessions on one thread pool: with a pool each, the prefill session's
+    threads still spun when the first decode step ran (2x a later step). Three windows' sessions at 2 threads: one
+    pool's worker, not six."""
+    art = exported("lm", windows=LADDER)
+    code = ("import os, sys; import runtime.generate as g; opened = g.open_generator\n"
+            "def counted(*a, **k):\n    d = opened(*a, **k); print('threads', len(os.listdir('/proc/self/task'))); return d\n"
+            "g.open_generator = counted; g.main(sys.argv[2:], process=sys.argv[1] == '1')")
+    args = [str(art.folder), "--target", "npu", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--threads", "2"]
+    counts = {}
+    for process in (True, False):
+        res = subprocess.run([sys.executable, "-c", code, str(int(process)), *args], cwd=ROOT, capture_output=True,
+                             text=True)
+        assert res.returncode == 0, res.stderr
+        counts[process] = int(res.stdout.split("threads ")[1].split()[0])
+    assert counts[False] - counts[True] == 5, counts
