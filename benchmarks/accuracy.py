@@ -76,10 +76,10 @@ def measure_all(args) -> int:
     model = reference_model(build_model(config, "lm", seed=0))
     prompts = accuracy.prompt_set(config)
     refs = accuracy.references(model, prompts)
-    rows = {}
+    rows, grids = {}, {}
     for target in (t for t in TARGETS if t in wanted):
         rows[target] = accuracy.measure(open_generator(folders["lm"], target, provider="cpu", threads=args.threads),
-                                        prompts, refs) | held(target, model, prompts, refs, config.vocab_size)
+                                        prompts, refs) | held(target, model, prompts, refs, config.vocab_size, grids)
         print(f"{target:14s} {_line(rows[target])}", flush=True)
     for peer in (p for p in PEERS if p in wanted):
         if not (folders[peer] / "genai_config.json").exists():
@@ -109,9 +109,9 @@ def measure_trained(args) -> int:
     step = build_model(config, "lm", weights=str(weights))
     print(f"transformers fp32: {len(prompts)} prompts, greedy {TRAINED_STEPS} tokens each", flush=True)
     refs = [tuple(t[0].numpy() for t in step.generate_greedy(torch.from_numpy(p), TRAINED_STEPS + 1)) for p in prompts]
-    rows = {}
+    rows, grids = {}, {}
     for name, driver in _trained_drivers(folders, config, args.threads, wanted):
-        rows[name] = accuracy.measure(driver, prompts, refs) | held(name, step, prompts, refs, config.vocab_size) \
+        rows[name] = accuracy.measure(driver, prompts, refs) | held(name, step, prompts, refs, config.vocab_size, grids) \
             if not isinstance(driver, str) else {"unavailable": driver}
         print(f"{name:14s} " + (f"unavailable: {driver}" if isinstance(driver, str) else _line(rows[name])), flush=True)
     doc = _kept({"model": args.model, "reference": "transformers fp32 (its own generate, greedy), same folder",
@@ -127,14 +127,17 @@ def measure_trained(args) -> int:
     return 0
 
 
-def held(name: str, model, prompts: list, refs: list, vocab_size: int) -> dict:
+def held(name: str, model, prompts: list, refs: list, vocab_size: int, grids: dict) -> dict:
     """A quantized row's budget on this model: registry.GRID_RULE over what its scheme's grid costs `model` on the same
-    prompts (export/grid_cost.py); nothing for a float row or a peer. The report says whether the row is within it."""
+    prompts (export/grid_cost.py), measured once per scheme into `grids`; nothing for a float row or a peer. The report
+    says whether the row is within it."""
     target = registry.TARGETS.get(LEVEL_0.get(name, name))
     if target is None or target.scheme is None:
         return {}
     from export.grid_cost import grid_figures
-    grid = grid_figures(model, target.scheme, prompts, refs, vocab_size)
+    if target.scheme.name not in grids:
+        grids[target.scheme.name] = grid_figures(model, target.scheme, prompts, refs, vocab_size)
+    grid = grids[target.scheme.name]
     return {"grid": grid, "budget": asdict(registry.GRID_RULE.budget(grid))}
 
 

@@ -104,8 +104,9 @@ def export_model(config: AttentionConfig, out_dir: str | Path, kind: str = "atte
                                    for w in {ladder, (config.capacity,)}}
                 if quant and kind == "lm":
                     prompts = accuracy.prompt_set(config)
-                    eager.accuracy = accuracy.references(reference_model(model), prompts, config)
-                    eager.grid = {quantize.target(q): grid_figures(reference_model(model), registry.quantized_by(q).scheme,
+                    reference = reference_model(model)  # an upcast copy of an fp16 model: made once
+                    eager.accuracy = accuracy.references(reference, prompts, config)
+                    eager.grid = {quantize.target(q): grid_figures(reference, registry.quantized_by(q).scheme,
                                                                    prompts, eager.accuracy, config.vocab_size)
                                   for q in quant}
             del model
