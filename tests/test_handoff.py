@@ -275,25 +275,34 @@ def test_fully_masked_rows_stay_finite_in_fp16(bundle):
     assert all(np.isfinite(o.astype(np.float32)).all() for o in out)
 
 
-def test_a_bundle_carries_the_window_ladder(tmp_path, capsys):
-    """Every graph over each window, with its own goldens (cache and mask W rows wide), verified from the bundle."""
+def test_a_bundle_carries_the_window_ladder(tmp_path, capsys, trained):
+    """Every graph over each window, with its own goldens (cache and mask W rows wide), verified from the bundle: the
+    attention's here, the whole model's in the trained bundle (built over the ladder 32, 64)."""
     out = tmp_path / "handoff"
-    build(preset("tiny"), out, kinds=("attention", "lm"), socs=(), windows=(32, 64), log=lambda *_: None)
+    build(preset("tiny"), out, kinds=("attention",), socs=(), windows=(32, 64), log=lambda *_: None)
     m = json.loads((out / "manifest.json").read_text())
     assert m["windows"] == [32, 64]
     small = {g["file"]: g for g in m["graphs"] if g["window"] == 32}
     assert set(small) == {f"attention-{d}/{s}.{t}.w32.onnx" for d, ts in (("fp32", ("npu", "onnx")), ("fp16", ("npu",)))
-                          for t in ts for s in ("prefill", "decode")} | \
-        {f"lm-{d}/{s}.npu.w32.onnx" for d in ("fp32", "fp16") for s in ("prefill", "decode")}  # QDQ: C only
+                          for t in ts for s in ("prefill", "decode")}
     golden = np.load(out / "attention-fp32/decode.npu.w32.golden.npz")
     assert golden["in.0.past_key"].shape[2] == 32 and golden["in.0.attention_mask"].shape[-1] == 33
     assert int(golden["in.4.position_ids"][0, 0]) == 31  # the window's last row: its depth, not C's
     prefill = np.load(out / "attention-fp32/prefill.npu.w32.golden.npz")
     assert [int(prefill[f"in.{i}.position_ids"][0, 0]) for i in range(int(prefill["steps"]))] == [0, 16]
-    assert small["lm-fp32/decode.npu.w32.onnx"]["host_cache"]["shape"][2] == 32
     assert verify_main([str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert sum(line.startswith("pass  onnxruntime") and ".w32." in line for line in lines) == len(small)
+    lm = json.loads((trained / "handoff" / "manifest.json").read_text())
+    assert lm["windows"] == [32, 64]
+    small = [g for g in lm["graphs"] if g["window"] == 32]
+    assert {g["file"] for g in small} == {f"lm-{d}/{s}.npu.w32.onnx" for d in ("fp32", "fp16")
+                                         for s in ("prefill", "decode")}  # QDQ: C only
+    assert all(g["host_cache"]["shape"][2] == 32 for g in small)
+    for g in small:
+        golden = np.load(trained / "handoff" / g["file"].replace(".onnx", ".golden.npz"))
+        assert golden["in.0.attention_mask"].shape[-1] == 32 + golden["in.0.input_ids"].shape[1]  # W rows + its own
+        assert verify_graph(trained / "handoff", g, "onnxruntime")["ok"], g["file"]
 
 
 def test_a_window_too_small_for_the_goldens_is_refused(tmp_path):
@@ -309,7 +318,7 @@ def trained(tmp_path_factory):
     from chat_model import save_chat_model
     root = tmp_path_factory.mktemp("trained")
     save_chat_model(root / "hf", initializer_range=0.1)
-    build(preset("tiny", source="transformers"), root / "handoff", socs=(57,), windows=(64,), weights=str(root / "hf"),
+    build(preset("tiny", source="transformers"), root / "handoff", socs=(57,), windows=(32, 64), weights=str(root / "hf"),
           log=lambda *_: None)
     return root
 
@@ -392,7 +401,8 @@ def test_the_greedy_count_refuses_a_graph_with_zero_logits(trained, monkeypatch)
     from runtime import verify
     bundle = trained / "handoff"
     m = json.loads((bundle / "manifest.json").read_text())
-    pair = {g["step"]: g for g in m["graphs"] if g["file"].startswith("lm-fp32/") and g["target"] == "npu"}
+    pair = {g["step"]: g for g in m["graphs"] if g["file"].startswith("lm-fp32/") and g["target"] == "npu"
+            and g["window"] == 64}
     real = _zero_logits(monkeypatch)
     prompt = [1, 5, 9]
     got = verify.greedy(bundle, pair, "openvino-cpu", prompt, 8)
