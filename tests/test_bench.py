@@ -250,11 +250,10 @@ def test_scale_rows_merge_and_a_failed_export_is_a_row(tmp_path, monkeypatch):
     new = [{"model": "minimind", "params": 64e6, "variant": "fp32", "wall_s": 300, "peak_rss_bytes": 3e9}]
     merged = scale._merged(tmp_path, new)
     assert [(r["model"], r["wall_s"]) for r in merged] == [("minimind", 300), ("qwen3-0.6b", 700)]
+    from models import build_model, preset
+    from models.checkpoint import save_hf_folder
     folder = tmp_path / "tiny"
-    res = subprocess.run([sys.executable, "-c", "from models.checkpoint import save_hf_folder; from models import "
-                          "preset, build_model; save_hf_folder(build_model(preset('tiny'), 'lm', 0), "
-                          f"{str(folder)!r})"], cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
+    save_hf_folder(build_model(preset("tiny"), "lm", 0), str(folder))
     held = np.ones(1 << 30, np.uint8)  # planted: the export's own peak, not this process's pages a fork would count
     row = scale.export_run(folder, tmp_path / "tiny-fp32", ["--windows", "none", "--capacity", "64", "--chunk", "16"],
                            timeout=600)
