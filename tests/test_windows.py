@@ -140,14 +140,13 @@ def test_a_bad_ladder_is_refused_before_any_work(tmp_path, text, message, capsys
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_exports_a_ladder(tmp_path):
+def test_cli_exports_a_ladder(tmp_path, capsys):
+    from export.__main__ import main  # python -m export's (test_export.py runs the command itself)
     out = tmp_path / "tiny"
-    res = subprocess.run([sys.executable, "-m", "export", "--preset", "tiny", "--windows", "32", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
+    assert main(["--preset", "tiny", "--windows", "32", "--out", str(out)]) == 0
     m = json.loads((out / "manifest.json").read_text())
     assert m["windows"]["sizes"] == [32, 64] and len(m["graphs"]) == 16
-    assert "windows 32/64" in next(line for line in res.stdout.splitlines() if "manifest.json" in line)
+    assert "windows 32/64" in next(line for line in capsys.readouterr().out.splitlines() if "manifest.json" in line)
 
 
 def test_a_switch_that_loses_the_rows_is_caught(exported, monkeypatch):
