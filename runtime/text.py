@@ -3,8 +3,8 @@
 Text for runtime.generate: the export folder's tokenizer, its chat template, and a stream that prints decoded text as
 tokens come. The export resolves the tokenizer with transformers once (save_text) and writes what it resolved: its
 backend as a tokenizers file, its special tokens and clean-up rule (the chat template is read from the folder).
-runtime.generate then reads it with the tokenizers library alone (ExportTokenizer): transformers' AutoTokenizer imports torch, 280 MB of a process that
-otherwise holds only the model. A folder the export did not write (`--tokenizer PATH`, an older export) is read with
+runtime.generate then reads it with the tokenizers library alone (ExportTokenizer): transformers' AutoTokenizer
+imports torch, 280 MB of a process that otherwise holds only the model. A folder the export did not write (`--tokenizer PATH`, an older export) is read with
 transformers."""
 from __future__ import annotations
 
