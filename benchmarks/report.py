@@ -422,10 +422,12 @@ def windows_block(data: dict) -> list[str]:
             lines.append(f"| {w} ({rows}) | " + " | ".join(cells) + " |")
             ratios.append((w, _median(doc, "ort-onnx", w) / _median(doc, "ort-ort", w),
                            _median(doc, "ort-npu-single", w) / _median(doc, "ort-npu", w)))
-    return [*lines, "", "Rows attended: the ladder's window, and where an engine of the ladder ran another (`ort-ort`'s "
-            "GroupQueryAttention reads only the rows in use, so it runs the capacity's graphs alone), that engine's; "
-            "`-single`: the capacity's graphs alone.", "", "`ort-onnx` against `ort-ort` (slower by): " + ", ".join(f"{w} {a:.2f}x" for w, a, _ in ratios)
-            + ".", "", "`ort-npu` over its single-window form (faster by): "
+    attended = ("Rows attended: the ladder's window, and where an engine of the ladder ran another (`ort-ort`'s "
+                "GroupQueryAttention reads only the rows in use, so it runs the capacity's graphs alone), that "
+                "engine's; `-single`: the capacity's graphs alone.")
+    return [*lines, "", attended, "", "`ort-onnx` against `ort-ort` (slower by): "
+            + ", ".join(f"{w} {a:.2f}x" for w, a, _ in ratios) + ".", "",
+            "`ort-npu` over its single-window form (faster by): "
             + ", ".join(f"{w} {b:.2f}x" for w, _, b in ratios if "decode" in w) + "."]
 
 

@@ -314,12 +314,13 @@ def test_a_window_too_small_for_the_goldens_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A bundle of a Hugging Face folder with a chat template (tests/chat_model.py), compiled for one SoC."""
+    """A bundle of a Hugging Face folder with a chat template (tests/chat_model.py), over the ladder 32, 64, compiled
+    for one SoC."""
     from chat_model import save_chat_model
     root = tmp_path_factory.mktemp("trained")
     save_chat_model(root / "hf", initializer_range=0.1)
-    build(preset("tiny", source="transformers"), root / "handoff", socs=(57,), windows=(32, 64), weights=str(root / "hf"),
-          log=lambda *_: None)
+    build(preset("tiny", source="transformers"), root / "handoff", socs=(57,), windows=(32, 64),
+          weights=str(root / "hf"), log=lambda *_: None)
     return root
 
 
