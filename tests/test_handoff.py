@@ -295,11 +295,11 @@ def test_a_bundle_carries_the_window_ladder(tmp_path, capsys, trained):
     assert sum(line.startswith("pass  onnxruntime") and ".w32." in line for line in lines) == len(small)
     lm = json.loads((trained / "handoff" / "manifest.json").read_text())
     assert lm["windows"] == [32, 64]
-    small = [g for g in lm["graphs"] if g["window"] == 32]
-    assert {g["file"] for g in small} == {f"lm-{d}/{s}.npu.w32.onnx" for d in ("fp32", "fp16")
-                                         for s in ("prefill", "decode")}  # QDQ: C only
-    assert all(g["host_cache"]["shape"][2] == 32 for g in small)
-    for g in small:
+    lm_small = [g for g in lm["graphs"] if g["window"] == 32]
+    assert {g["file"] for g in lm_small} == {f"lm-{d}/{s}.npu.w32.onnx" for d in ("fp32", "fp16")
+                                            for s in ("prefill", "decode")}  # QDQ: C only
+    assert all(g["host_cache"]["shape"][2] == 32 for g in lm_small)
+    for g in lm_small:
         golden = np.load(trained / "handoff" / g["file"].replace(".onnx", ".golden.npz"))
         assert golden["in.0.attention_mask"].shape[-1] == 32 + golden["in.0.input_ids"].shape[1]  # W rows + its own
         assert verify_graph(trained / "handoff", g, "onnxruntime")["ok"], g["file"]

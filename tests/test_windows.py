@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from export.__main__ import main as export_main  # python -m export's (test_export.py runs the command itself)
 from export.windows import WindowError, default, parse
 from models import preset
 import runtime.artifacts
@@ -131,19 +132,17 @@ def test_the_default_ladder_doubles_from_256_below_the_capacity():
     ("16,x", r"--windows '16,x': expected comma-separated row counts"),
 ])
 def test_a_bad_ladder_is_refused_before_any_work(tmp_path, text, message, capsys):
-    from export.__main__ import main
     with pytest.raises(WindowError, match=message):
         parse(text, preset("tiny"))
-    assert main(["--preset", "tiny", "--windows", text, "--out", str(tmp_path / "out")]) != 0  # python -m export's
+    assert export_main(["--preset", "tiny", "--windows", text, "--out", str(tmp_path / "out")]) != 0
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "windows" in err
     assert not (tmp_path / "out").exists()
 
 
 def test_cli_exports_a_ladder(tmp_path, capsys):
-    from export.__main__ import main  # python -m export's (test_export.py runs the command itself)
     out = tmp_path / "tiny"
-    assert main(["--preset", "tiny", "--windows", "32", "--out", str(out)]) == 0
+    assert export_main(["--preset", "tiny", "--windows", "32", "--out", str(out)]) == 0
     m = json.loads((out / "manifest.json").read_text())
     assert m["windows"]["sizes"] == [32, 64] and len(m["graphs"]) == 16
     assert "windows 32/64" in next(line for line in capsys.readouterr().out.splitlines() if "manifest.json" in line)
