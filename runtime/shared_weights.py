@@ -9,7 +9,8 @@ The price: onnxruntime then neither pre-packs a float weight (a per-session copy
 expressions (a tied lm_head's Transpose runs as its MatMul's transB instead). Products alone hardly show it (24 of
 2048 x 2048 ran 32.4 ms a row from the mapping, 31.9 ms pre-packed; a 128-row chunk 5% slower), a whole decode step
 does: qwen3-0.6b's ran 95-103 ms unpacked, 79 ms pre-packed. So `share(prepack=True)` keeps pre-packing for the one
-session that steps a token at a time (runtime/artifacts.py). The export's checks run unpacked, and so do the ladders
+session that steps a token at a time (runtime/artifacts.py). The export's graph checks run unpacked (its sequence
+check opens the driver as a user does, that copy included: docs/benchmark.md, "Export cost"), and so do the ladders
 over more than SHARE_ABOVE bytes of weights. A graph with block-quantized products (MatMulNBits) keeps
 pre-packing: unpacked, onnxruntime dequantizes every block at every step (a 2048 x 8192 int4 product measured 115 ms
 against 0.8 ms packed, so an int4 export's checks took minutes), and what it packs is the 4-bit codes, about a sixth of
