@@ -11,6 +11,7 @@ them is, or when it records no stamp at all.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import os
@@ -28,8 +29,16 @@ NOT_MEASURING = ("benchmarks/report.py", "benchmarks/provenance.py")  # they ren
 def fingerprint(path: Path) -> str:
     """The module's code as its syntax tree, docstrings left out; '' when the file is gone or does not parse."""
     try:
-        tree = ast.parse(path.read_text())
-    except (OSError, SyntaxError, ValueError):
+        return _fingerprint(path.read_text())
+    except (OSError, ValueError):
+        return ""
+
+
+@functools.lru_cache(maxsize=4096)
+def _fingerprint(text: str) -> str:  # by content: a report renders ~30 stamps over the same ~70 modules
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
         return ""
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
