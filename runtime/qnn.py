@@ -77,16 +77,22 @@ class Refused(RuntimeError):
 
 
 def session(path: str | Path, soc: int, context: Path | None = None, trace: Path | None = None,
-            fp16: bool = True) -> ort.InferenceSession:
+            fp16: bool = True, share: str | None = None) -> ort.InferenceSession:
     """The graph (or a compiled EPContext model) on the HTP of SoC `soc`, every node on it; `context` writes the
     compiled model there, `trace` the op trace into that folder. `fp16`: run float ops in fp16 (what float graphs
-    need); a quantized (QDQ) graph compiles without it. Raises Refused naming the ops where nodes would fall back."""
+    need); a quantized (QDQ) graph compiles without it. `share` ("more" or "last"): compile into the context the
+    process's earlier sharing sessions opened, its weights stored once in one .bin beside the wrappers, which the
+    "last" one writes (embed mode 0). Raises Refused naming the ops where nodes would fall back."""
     options = _options(soc, fp16, trace)
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     if context is not None:
         options.add_session_config_entry("ep.context_enable", "1")
         options.add_session_config_entry("ep.context_file_path", str(context))
-        options.add_session_config_entry("ep.context_embed_mode", "1")
+        options.add_session_config_entry("ep.context_embed_mode", "0" if share else "1")
+    if share:
+        options.add_session_config_entry("ep.share_ep_contexts", "1")
+        if share == "last":
+            options.add_session_config_entry("ep.stop_share_ep_contexts", "1")
     try:
         return ort.InferenceSession(str(path), options)
     except Exception as e:
@@ -128,6 +134,29 @@ def compile_graph(path: Path, soc: int, out: Path, fp16: bool = True) -> dict:
         placement = _placement(Path(trace))
     return {"soc_model": soc, "qnn": version(), "fp16_precision": fp16, "compile_seconds": round(seconds, 1), "bytes": out.stat().st_size,
             "placement": placement}
+
+
+def compile_shared(graphs: list[Path], soc: int, wrappers: list[Path], fp16: bool = True) -> dict:
+    """Compile `graphs` for SoC `soc` into one context binary holding them all, each graph's weights stored once however
+    many graphs read them, and an EPContext wrapper per graph (`wrappers`, in one folder) naming its graph in it. The
+    binary is written beside the wrappers, named after the first. What each compile took and where the nodes went."""
+    folder = wrappers[0].parent
+    if any(w.parent != folder for w in wrappers) or len(wrappers) != len(graphs) or not graphs:
+        raise ValueError("compile_shared: one wrapper per graph, all in one folder")
+    before, records = set(folder.glob("*.bin")), []
+    for i, (graph, wrapper) in enumerate(zip(graphs, wrappers)):
+        with tempfile.TemporaryDirectory() as trace:
+            start = time.perf_counter()
+            session(graph, soc, context=wrapper, trace=Path(trace), fp16=fp16,
+                    share="last" if i == len(graphs) - 1 else "more")
+            records.append({"wrapper": wrapper.name, "compile_seconds": round(time.perf_counter() - start, 1),
+                            "placement": _placement(Path(trace))})
+    written = sorted(set(folder.glob("*.bin")) - before)
+    if len(written) != 1:
+        raise RuntimeError(f"compiling {len(graphs)} graphs into one shared context wrote {len(written)} .bin files "
+                           f"in {folder}; expected one")
+    return {"soc_model": soc, "qnn": version(), "fp16_precision": fp16, "binary": written[0].name,
+            "bytes": written[0].stat().st_size, "graphs": records}
 
 
 def _placement(trace: Path) -> dict:

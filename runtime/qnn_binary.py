@@ -1,0 +1,129 @@
+"""What a QNN context binary holds, read by QNN's own libQnnSystem (shipped beside onnxruntime-qnn's provider).
+
+QNN's host emulation of the HTP loads a context binary holding one graph, but not one holding several (onnxruntime-qnn
+2.7.0 crashes in it, 2.4.0 reports QNN_COMMON_ERROR_NOT_SUPPORTED), and a weight-shared binary holds every step graph
+of a part. Its system library still reads such a binary without a backend: which graphs it holds, each one's inputs and
+outputs, the SoC and the QNN build it was compiled for. `binary_info` returns that, through the library's C API
+(ctypes; the layouts are those of QNN's public headers, System/QnnSystemContext.h and QnnTypes.h, versioned structs
+whose leading fields never move).
+
+No torch here: the bundle verifier reads binaries with numpy and onnxruntime-qnn alone.
+"""
+from __future__ import annotations
+
+import ctypes as C
+import mmap
+from pathlib import Path
+
+
+class BinaryError(ValueError):
+    """A file libQnnSystem does not read as a context binary."""
+
+
+class _Version(C.Structure):
+    _fields_ = [("major", C.c_uint32), ("minor", C.c_uint32), ("patch", C.c_uint32)]
+
+
+_Create = C.CFUNCTYPE(C.c_uint64, C.POINTER(C.c_void_p))
+_GetBinaryInfo = C.CFUNCTYPE(C.c_uint64, C.c_void_p, C.c_void_p, C.c_uint64, C.POINTER(C.c_void_p),
+                             C.POINTER(C.c_uint64))
+_Free = C.CFUNCTYPE(C.c_uint64, C.c_void_p)
+
+
+class _SystemTable(C.Structure):  # QnnSystemInterface_ImplementationV1_x_t: its first four entries
+    _fields_ = [("create", _Create), ("get_binary_info", _GetBinaryInfo), ("get_metadata", C.c_void_p),
+                ("free", _Free)]
+
+
+class _SystemInterface(C.Structure):  # QnnSystemInterface_t
+    _fields_ = [("backend_id", C.c_uint32), ("provider", C.c_char_p), ("version", _Version), ("table", _SystemTable)]
+
+
+class _BinaryInfoV3(C.Structure):  # QnnSystemContext_BinaryInfoV3_t
+    _fields_ = [("backend_id", C.c_uint32), ("build_id", C.c_char_p), ("core_api", _Version),
+                ("backend_api", _Version), ("soc_version", C.c_char_p), ("blob_version", _Version),
+                ("context_blob_size", C.c_uint64), ("num_context_tensors", C.c_uint32), ("context_tensors", C.c_void_p),
+                ("num_graphs", C.c_uint32), ("graphs", C.c_void_p), ("platform_info", C.c_void_p),
+                ("metadata_size", C.c_uint32), ("metadata", C.c_void_p), ("soc_model", C.c_uint32)]
+
+
+class _BinaryInfo(C.Structure):
+    _fields_ = [("version", C.c_uint32), ("v3", _BinaryInfoV3)]
+
+
+class _GraphInfo(C.Structure):  # QnnSystemContext_GraphInfo_t (V1..V3 share these leading fields; V3 is the largest)
+    _fields_ = [("version", C.c_uint32), ("name", C.c_char_p), ("num_inputs", C.c_uint32), ("inputs", C.c_void_p),
+                ("num_outputs", C.c_uint32), ("outputs", C.c_void_p), ("_rest", C.c_byte * 40)]
+
+
+class _Tensor(C.Structure):  # Qnn_Tensor_t: its version, then Qnn_TensorV1_t's (and V2's) leading fields
+    _fields_ = [("version", C.c_uint32), ("_pad", C.c_uint32), ("id", C.c_uint32), ("name", C.c_char_p),
+                ("type", C.c_uint32), ("data_format", C.c_uint32), ("data_type", C.c_uint32),
+                ("quantize_params", C.c_uint64 * 5), ("rank", C.c_uint32), ("dimensions", C.POINTER(C.c_uint32)),
+                ("_rest", C.c_byte * 48)]
+
+
+assert C.sizeof(_GraphInfo) == 88 and C.sizeof(_Tensor) == 144  # the headers' sizeof, x86-64 and arm64 alike
+_KINDS = {0: "int", 1: "uint", 2: "float", 3: "sfixed", 4: "ufixed", 5: "bool"}
+
+
+def data_type(code: int) -> str:
+    """QNN's Qnn_DataType_t as a name: its high byte is the kind, its low byte the bits written in hex digits that read
+    as decimal (QNN_DATATYPE_FLOAT_32 = 0x0232 -> 'float32'); BFLOAT_16 is the one exception."""
+    if code == 0x0226:
+        return "bfloat16"
+    kind, bits = _KINDS.get(code >> 8), f"{code & 0xFF:x}"
+    return f"{kind}{bits}" if kind and bits.isdigit() else f"0x{code:04x}"
+
+
+def _library() -> C.CDLL:
+    import onnxruntime_qnn
+    return C.CDLL(str(Path(onnxruntime_qnn.__file__).parent / "libQnnSystem.so"))
+
+
+def _interface() -> _SystemInterface:
+    providers, count = C.POINTER(C.POINTER(_SystemInterface))(), C.c_uint32()
+    if _library().QnnSystemInterface_getProviders(C.byref(providers), C.byref(count)) or not count.value:
+        raise RuntimeError("libQnnSystem offers no system interface")
+    return providers[0].contents
+
+
+def _tensors(address: int, count: int) -> list[dict]:
+    array = C.cast(address, C.POINTER(_Tensor))
+    return [{"name": t.name.decode(), "dtype": data_type(t.data_type), "shape": [t.dimensions[d] for d in range(t.rank)]}
+            for t in (array[i] for i in range(count))]
+
+
+def binary_info(path: str | Path) -> dict:
+    """{"build": QNN build id, "soc_model", "context_bytes", "graphs": [{"name", "inputs", "outputs"}]} of the context
+    binary at `path`; each tensor {"name", "dtype", "shape"}. Raises BinaryError if libQnnSystem does not read it."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        raise BinaryError(f"{path}: no such file, or empty; expected a QNN context binary")
+    table, handle = _interface().table, C.c_void_p()
+    if table.create(C.byref(handle)):
+        raise RuntimeError("libQnnSystem could not create a system context")
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as data:
+            buffer = (C.c_char * len(data)).from_buffer(data)  # mapped, not read: a part's binary is a gigabyte
+            info, size = C.c_void_p(), C.c_uint64()
+            status = table.get_binary_info(handle, C.addressof(buffer), len(data), C.byref(info), C.byref(size))
+            described = _describe(C.cast(info, C.POINTER(_BinaryInfo)).contents) if not status and info.value else None
+            del buffer  # the mapping closes only once no ctypes object points into it
+    finally:
+        table.free(handle)
+    if described is None:
+        raise BinaryError(f"{path}: libQnnSystem does not read it as a QNN context binary (error {status}); expected "
+                          "a context binary written by onnxruntime-qnn or qnn-context-binary-generator")
+    return described
+
+
+def _describe(info: _BinaryInfo) -> dict:
+    if info.version != 3:
+        raise BinaryError(f"context binary info version {info.version}; expected 3 (QNN 2.2x and later)")
+    v3 = info.v3
+    graphs = C.cast(v3.graphs, C.POINTER(_GraphInfo))
+    return {"build": v3.build_id.decode(), "soc_model": v3.soc_model, "context_bytes": v3.context_blob_size,
+            "graphs": [{"name": g.name.decode(), "inputs": _tensors(g.inputs, g.num_inputs),
+                        "outputs": _tensors(g.outputs, g.num_outputs)}
+                       for g in (graphs[i] for i in range(v3.num_graphs))]}
