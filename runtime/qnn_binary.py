@@ -127,3 +127,50 @@ def _describe(info: _BinaryInfo) -> dict:
             "graphs": [{"name": g.name.decode(), "inputs": _tensors(g.inputs, g.num_inputs),
                         "outputs": _tensors(g.outputs, g.num_outputs)}
                        for g in (graphs[i] for i in range(v3.num_graphs))]}
+
+
+def _signature(tensors) -> list[tuple]:
+    return [(t["name"], tuple(t["shape"]), t["dtype"]) for t in tensors]
+
+
+def _onnx_signature(values) -> list[dict]:
+    import onnx
+    return [{"name": v.name, "shape": [d.dim_value for d in v.type.tensor_type.shape.dim],
+             "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name} for v in values]
+
+
+def _same(qnn: list[dict], source: list[dict]) -> bool:
+    """QNN's I/O against the source graph's: names and shapes equal, dtypes too unless QNN's is fixed-point (a QDQ
+    graph whose I/O quantization onnxruntime runs on the CPU)."""
+    fixed = lambda q, s: s[2] if q[2].startswith(("ufixed", "sfixed")) else q[2]  # noqa: E731
+    return len(qnn) == len(source) and all(q[:2] == s[:2] and fixed(q, s) == s[2]
+                                           for q, s in zip(_signature(qnn), _signature(source)))
+
+
+def check_wrapper(wrapper: str | Path, source: str | Path) -> dict:
+    """The graph a shipped EPContext wrapper runs, checked against the ONNX graph it was compiled from: the wrapper's
+    one EPContext node names a context binary beside it (embed mode 0) and a graph in it, and that graph's inputs and
+    outputs are the source graph's (names, shapes: a wrapper pointing at another window's graph has other cache
+    shapes). Returns the graph's binary_info entry with the binary's file, build and SoC; raises BinaryError naming
+    what differs."""
+    import onnx
+    wrapper, source = Path(wrapper), Path(source)
+    nodes = onnx.load(wrapper, load_external_data=False).graph.node
+    if len(nodes) != 1 or nodes[0].op_type != "EPContext":
+        raise BinaryError(f"{wrapper}: {len(nodes)} nodes ({', '.join(n.op_type for n in nodes)}); expected one "
+                          "EPContext node")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    if attrs.get("embed_mode") != 0:
+        raise BinaryError(f"{wrapper}: embed_mode {attrs.get('embed_mode')}; expected 0 (a context binary beside it)")
+    binary, name = wrapper.parent / attrs["ep_cache_context"].decode(), attrs["partition_name"].decode()
+    info = binary_info(binary)
+    graph = next((g for g in info["graphs"] if g["name"] == name), None)
+    if graph is None:
+        raise BinaryError(f"{wrapper}: names graph {name}, which {binary.name} does not hold (it holds "
+                          f"{len(info['graphs'])}); expected the graph it was compiled with")
+    model = onnx.load(source, load_external_data=False).graph
+    for side, qnn_io, source_io in (("inputs", graph["inputs"], model.input), ("outputs", graph["outputs"], model.output)):
+        if not _same(qnn_io, _onnx_signature(source_io)):
+            raise BinaryError(f"{wrapper}: graph {name}'s {side} {_signature(qnn_io)[:4]}... are not {source.name}'s "
+                              f"{_signature(_onnx_signature(source_io))[:4]}...; expected the graph compiled from it")
+    return graph | {"binary": binary.name, "build": info["build"], "soc_model": info["soc_model"]}

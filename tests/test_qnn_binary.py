@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime import qnn
-from runtime.qnn_binary import BinaryError, binary_info, data_type
+from runtime.qnn_binary import BinaryError, binary_info, check_wrapper, data_type
 
 E = 256
 
@@ -60,3 +60,32 @@ def test_a_truncated_or_foreign_binary_is_refused_with_its_name(steps, tmp_path)
 def test_data_type_names():
     assert [data_type(c) for c in (0x0232, 0x0216, 0x0032, 0x0416, 0x0308, 0x0508, 0x0226, 0x7FFFFFFF)] == \
         ["float32", "float16", "int32", "ufixed16", "sfixed8", "bool8", "bfloat16", "0x7fffffff"]
+
+
+def test_a_wrapper_is_checked_against_its_source_graph(steps, tmp_path):
+    wrappers = [tmp_path / "prefill.qnn57.onnx", tmp_path / "decode.qnn57.onnx"]
+    shared = qnn.compile_shared(steps, 57, wrappers)
+    for wrapper, source in zip(wrappers, steps):
+        assert check_wrapper(wrapper, source)["binary"] == shared["binary"]
+    # planted: the decode wrapper names the prefill's graph (another step's shapes, as another window's would be)
+    decode = onnx.load(wrappers[1])
+    other = onnx.load(wrappers[0]).graph.node[0]
+    names = {a.name: a for a in other.attribute}
+    for a in decode.graph.node[0].attribute:
+        if a.name == "partition_name":
+            a.CopyFrom(names["partition_name"])
+    onnx.save(decode, tmp_path / "swapped.onnx")
+    with pytest.raises(BinaryError, match="are not decode.onnx's"):
+        check_wrapper(tmp_path / "swapped.onnx", steps[1])
+    # planted: a graph the binary does not hold
+    for a in decode.graph.node[0].attribute:
+        if a.name == "partition_name":
+            a.s = b"QNNExecutionProvider_QNNExecutionProvider_0_1_0"
+    onnx.save(decode, tmp_path / "missing.onnx")
+    with pytest.raises(BinaryError, match="does not hold"):
+        check_wrapper(tmp_path / "missing.onnx", steps[1])
+    # planted: the binary truncated
+    binary = tmp_path / shared["binary"]
+    binary.write_bytes(binary.read_bytes()[:1000])
+    with pytest.raises(BinaryError, match=shared["binary"]):
+        check_wrapper(wrappers[1], steps[1])
