@@ -7,8 +7,8 @@ for the receiving engineer. The whole model (`lm`) adds its `npu` graphs in fp32
 quantized). Each window's goldens run one random sequence (golden_positions): prefill chunks at
 0, at T over the first chunk's rows and at the window's end; decode steps right after the first
 chunk and at the window's last row, so every graph reads a non-empty cache up to its window's
-depth. The whole model's goldens hold only the cache rows no earlier step of the golden wrote:
-the verifier keeps the L caches as a host would, writing each step's reference rows.
+depth. The npu graphs' goldens hold only the cache rows no earlier step of the golden wrote: the
+verifier keeps the caches as a host would, writing each step's reference rows.
 `python -m runtime.verify BUNDLE` re-checks it from the bundle alone.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ from models.lm import greedy
 from models.contract import cache_names, input_names, output_names
 from passes.lint import lint
 from runtime import qnn
+from runtime.qnn_binary import binary_info, check_wrapper
 from runtime.drivers import host_mask
 from runtime.cli import Parser, run
 from runtime.metrics import FP16_CAP, FP16_HEADROOM, TOLERANCE, decided_rows, dtype_tolerance, error, logit_error
@@ -39,6 +40,7 @@ from runtime.verify import FORMAT, available_runtimes, named, verify_graph
 from . import quantize, windows as ladders
 from .atomic import staged_dir
 from .exporter import export_model
+from .progress import Progress
 
 
 
@@ -103,7 +105,8 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     """Per step graph: [(inputs, eager outputs, rows written)] at golden_positions, all of one random sequence over
     the window (token ids for the lm, hidden states else). Each step reads the cache a host holds: eager's rows of
     the sequence before the golden's first step (or before a step past the rows written so far), then each step's
-    own rows. The lm's npu goldens store only those first rows: the verifier's host cache writes each step's.
+    own rows. The npu goldens store only those first rows (the verifier's host cache writes each step's), the others
+    their present caches' rows written so far alone (the verifier compares no others).
     `half`: the model in fp16, run on every golden too: per step graph, {output: the worst max_rel it measures against
     eager fp32 there} (what fp16 costs the model on those inputs: metrics.fp16_tolerance), else None."""
     reference, np_dtype = reference_model(model), "float16" if config.dtype == "fp16" else "float32"
@@ -111,9 +114,9 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
     x = _sequence(config, kind, seed)
     names, outs = input_names(config, kind), output_names(config, kind)
     ids = "int32" if npu else "int64"
-    # The lm's npu goldens store the rows a host cache starts from in fp16 (a window's deepest steps start from
-    # about W rows per layer: fp16 halves the file); the verifier widens them, and eager reads them so too.
-    held_dtype = "float16" if lm and npu else np_dtype
+    # The npu goldens store the rows a host cache starts from in fp16 (a window's deepest steps start from about W rows
+    # per layer: fp16 halves the file); the verifier widens them, and eager reads them so too.
+    held_dtype = "float16" if npu else np_dtype
     empty = [torch.zeros(b, config.num_kv_heads, w, config.head_dim) for _ in names[2:]]
     with torch.no_grad():
         rows = [_held(r, held_dtype) for r in reference(x, torch.arange(w).expand(b, w), *empty)[1:]]
@@ -135,13 +138,13 @@ def golden(model, config: AttentionConfig, target: str, kind: str = "attention",
                 feeds["attention_mask"] = host_mask(b, w, p0, n, registry.target(target).mask_value, np_dtype)
                 want |= {new: p[:, :, p0:p0 + n].numpy() for new, p in zip(cache_names(config, kind, ""), presents)}
             else:
-                want |= {name: p.numpy() for name, p in zip(outs[1:], presents)}
+                want |= {name: p[:, :, :p0 + n].numpy() for name, p in zip(outs[1:], presents)}
             decided = None
             if half is not None:
                 errs, got = _half_error(half, x[:, p0:p0 + n], pos, cache, out, presents, p0, lm)
                 drift[step] = {k: max(drift[step].get(k, 0.0), e) for k, e in zip(want, errs)}
                 decided = decided_rows(out.numpy(), got) if lm else None
-            if not (lm and npu):
+            if not npu:
                 feeds |= {name: c.numpy().astype(np_dtype) for name, c in zip(names[2:], cache)}
             elif p0 > held:
                 feeds |= {name: c[:, :, :p0].numpy().astype(held_dtype) for name, c in zip(names[2:], cache)}
@@ -194,7 +197,7 @@ def _goldens(model, config: AttentionConfig, kind: str, target: str, folder: str
                        | ({"host_cache": {"inputs": cache_names(config, kind, "past_"),
                                           "shape": [config.batch, config.num_kv_heads, config.capacity, config.head_dim],
                                           "mask_value": registry.target(target).mask_value}}
-                          if kind == "lm" else {}))
+                          if registry.target(target).cache == registry.HOST else {}))
     return entries
 
 
@@ -226,50 +229,34 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
     if short := [w for w in ladder if w < least_window(config)]:
         raise ladders.WindowError(f"windows {short}: a window's goldens hold two prefill chunks and {DECODE_STEPS} "
                                   f"decode steps after the first; expected W >= {least_window(config)}")
+    progress = Progress(0, log)
     with staged_dir(out) as tmp:
-        graphs = []
-        for kind in kinds:
-            for dtype, targets in variants()[kind]:
-                c, folder = config.replace(dtype=dtype), f"{kind}-{dtype}"
-                schemes = [registry.target(t).scheme for t in targets]
-                exported = export_model(c, tmp / folder, kind=kind, seed=seed, windows=ladder, log=lambda *_: None,
-                                        targets=tuple(t for t, q in zip(targets, schemes) if not q),
-                                        quant=tuple(q.name for q in schemes if q), weights=weights)
-                model = build_model(c, kind, seed, weights)
-                half = model if dtype == "fp16" else None  # an fp16 graph is held to what fp16 costs the model
-                for target in targets:
-                    for w in sorted({g["window"] for g in exported["graphs"] if g["target"] == target}):
-                        graphs += _goldens(model, c.replace(capacity=w), kind, target, folder, ladders.suffix(w, c), seed, tmp,
-                                           exported, half)
-                del model, half
-                drifts = [d for g in graphs if g["kind"] == kind and g["dtype"] == dtype and "eager_fp16_max_rel" in g
-                          for d in g["eager_fp16_max_rel"].values()]
-                log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors" +
-                    (f"; eager PyTorch fp16 against fp32 on them: max_rel up to {max(drifts):.2e}" if drifts else ""))
-            if socs:  # what the HTP, computing in fp16, is held to (runtime/verify.py budget)
-                drift = fp16_drift(config, kind, seed, weights)
-                for g in (g for g in graphs if g["kind"] == kind):
-                    g["fp16_drift"] = drift
-                log(f"{kind}: eager PyTorch fp16 against fp32 over {config.capacity} rows: max_rel up to "
-                    f"{max(drift.values()):.2e}, {next(iter(drift))} {next(iter(drift.values())):.2e}")
-        for g in (g for g in graphs if registry.target(g["target"]).cache == registry.HOST and socs):
-            compiled = {soc: g["file"].replace(".onnx", f".qnn{soc}.onnx") for soc in socs}
-            g["qnn"] = {str(soc): {"file": f} | qnn.compile_graph(tmp / g["file"], soc, tmp / f, fp16=qnn.fp16_precision(g))
-                        for soc, f in compiled.items()}
-            log(f"compiled {g['file']} for the QNN HTP of SoC {', '.join(map(str, socs))}")
-        lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], g["target"])],
-                             "notes": [vars(v) for v in lint(tmp / g["file"], g["target"], notes=True)]} for g in graphs}
+        graphs = _graphs(config, kinds, seed, ladder, weights, bool(socs), tmp, progress)
+        with progress.stage("compile"):
+            binaries = {name: b for soc in socs for name, b in compile_binaries(tmp, graphs, soc, log).items()}
+        with progress.stage("lint"):
+            lints = {g["file"]: {"violations": [vars(v) for v in lint(tmp / g["file"], g["target"])],
+                                 "notes": [vars(v) for v in lint(tmp / g["file"], g["target"], notes=True)]}
+                     for g in graphs}
         if any(lints[g["file"]]["violations"] for g in graphs):
             raise RuntimeError(f"bundle check failed: lint {lints}")
-        runtimes = {rt: refusals(tmp, graphs, rt) for rt in available_runtimes(socs)}
-        text = greedy_texts(tmp, graphs, build_model(config, "lm", seed, weights), available_runtimes(socs), log) \
-            if "lm" in kinds and has_tokenizer(tmp / "lm-fp32") else None
+        runtimes = {}
+        for rt in available_runtimes(socs):
+            with progress.stage(f"check on {rt}"):
+                runtimes[rt] = refusals(tmp, graphs, rt)
+            log(f"checked {len(graphs)} graphs on {rt} ({progress.elapsed():.0f} s)")
+        with progress.stage("greedy text"):
+            text = greedy_texts(tmp, graphs, build_model(config, "lm", seed, weights), available_runtimes(socs), log) \
+                if "lm" in kinds and has_tokenizer(tmp / "lm-fp32") else None
         manifest = {"format": FORMAT, "config": config.to_dict(), "kinds": list(kinds), "windows": list(ladder),
                     "weights": weights or f"random(seed={seed})", **({"greedy": text} if text else {}),
+                    "build_seconds": {k: round(v, 1) for k, v in progress.seconds.items()},
                     "contract": contract(),
                     "graphs": graphs, "runtimes": runtimes, "lint": "lint.json",
                     "qnn": {"version": qnn.version(), "socs": list(socs), "soc_names": {str(s): qnn.SOC_NAMES.get(s, "")
                                                                                       for s in socs},
+                            "binaries": binaries,
+                            "checked": {verify.PROVEN: sum(len(g.get("qnn", {})) for g in graphs), "run as shipped": 0},
                             "emulated": "compiled and run in host emulation of the HTP, not on a phone",
                             "precision": "float graphs in fp16 (enable_htp_fp16_precision=1), judged at 1e-2 or "
                                          f"{FP16_HEADROOM:g}x what fp16 costs the model in eager PyTorch "
@@ -281,10 +268,100 @@ def build(config: AttentionConfig, out: str | Path, kinds=KINDS, seed: int = 0, 
         (tmp / "lint.json").write_text(json.dumps(lints, indent=2) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         (tmp / "README.md").write_text(readme(config, runtimes, manifest["qnn"], list(ladder), kinds, weights, text))
-    log(f"wrote {out}: {len(graphs)} graphs; accepted by " +
+        sizes = footprint(tmp)
+    log(f"wrote {out}: {len(graphs)} graphs, {sum(sizes.values()) / 1e6:.1f} MB ("
+        + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items()) + "); accepted by " +
         "; ".join(f"{rt}: {', '.join(t for t, r in rts.items() if not r['refuses']) or 'none'}"
                   for rt, rts in runtimes.items()))
+    log(progress.summary())
     return manifest
+
+
+def footprint(bundle: Path) -> dict[str, int]:
+    """The bundle's bytes on disk: the compiled QNN files (qnnSOC/), the golden vectors, and the rest (the ONNX graphs,
+    their weights, manifests and README)."""
+    sizes = dict.fromkeys(("compiled", "goldens", "graphs"), 0)
+    for f in (f for f in bundle.rglob("*") if f.is_file()):
+        part = f.relative_to(bundle).parts[0]
+        sizes["compiled" if part.startswith("qnn") and part[3:].isdigit() else
+              "goldens" if f.name.endswith(".golden.npz") else "graphs"] += f.stat().st_size
+    return sizes
+
+
+def _graphs(config: AttentionConfig, kinds, seed: int, ladder: tuple, weights: str | None, htp: bool, tmp: Path,
+            progress: Progress) -> list[dict]:
+    """Every kind's graphs exported into the bundle, with their golden vectors and bundle entries; with `htp`, each
+    entry also gets what fp16 costs the model over the whole window (fp16_drift)."""
+    graphs = []
+    for kind in kinds:
+        for dtype, targets in variants()[kind]:
+            c, folder = config.replace(dtype=dtype), f"{kind}-{dtype}"
+            schemes = [registry.target(t).scheme for t in targets]
+            with progress.stage("export"):
+                exported = export_model(c, tmp / folder, kind=kind, seed=seed, windows=ladder, log=lambda *_: None,
+                                        targets=tuple(t for t, q in zip(targets, schemes) if not q),
+                                        quant=tuple(q.name for q in schemes if q), weights=weights)
+            with progress.stage("goldens"):
+                model = build_model(c, kind, seed, weights)
+                half = model if dtype == "fp16" else None  # an fp16 graph is held to what fp16 costs the model
+                for target in targets:
+                    for w in sorted({g["window"] for g in exported["graphs"] if g["target"] == target}):
+                        graphs += _goldens(model, c.replace(capacity=w), kind, target, folder, ladders.suffix(w, c),
+                                           seed, tmp, exported, half)
+                del model, half
+            drifts = [d for g in graphs if g["kind"] == kind and g["dtype"] == dtype and "eager_fp16_max_rel" in g
+                      for d in g["eager_fp16_max_rel"].values()]
+            progress.log(f"exported {folder}: {', '.join(targets)} graphs with golden vectors" +
+                         (f"; eager PyTorch fp16 against fp32 on them: max_rel up to {max(drifts):.2e}" if drifts
+                          else "") + f" ({progress.elapsed():.0f} s)")
+        if htp:  # what the HTP, computing in fp16, is held to (runtime/verify.py budget)
+            with progress.stage("goldens"):
+                drift = fp16_drift(config, kind, seed, weights)
+            for g in (g for g in graphs if g["kind"] == kind):
+                g["fp16_drift"] = drift
+            progress.log(f"{kind}: eager PyTorch fp16 against fp32 over {config.capacity} rows: max_rel up to "
+                         f"{max(drift.values()):.2e}, {next(iter(drift))} {next(iter(drift.values())):.2e}")
+    return graphs
+
+
+def binary_groups(graphs: list[dict]) -> dict[str, list[dict]]:
+    """{binary name: the bundle graphs compiled into it}: per kind, every graph the HTP runs in fp16 (the fp32 and fp16
+    npu graphs: one set of weights, stored once) in one binary, each quantized scheme's in another; every step and
+    window of each."""
+    groups = {}
+    for g in (g for g in graphs if registry.target(g["target"]).cache == registry.HOST):
+        scheme = registry.target(g["target"]).scheme
+        groups.setdefault(f"{g['kind']}.{scheme.name if scheme else 'float'}.bin", []).append(g)
+    return groups
+
+
+def compile_binaries(bundle: Path, graphs: list[dict], soc: int, log=print) -> dict[str, dict]:
+    """Each group's graphs (binary_groups) compiled for SoC `soc` into one weight-shared context binary in
+    `qnn<soc>/`, beside a wrapper per graph (`qnn<soc>/<folder>.<file>`: what a device loads); each graph's manifest
+    entry gains `qnn[soc]`: its wrapper, binary, sha256, the graph's name in the binary and how the check reaches it
+    (verify.PROVEN). Returns the binaries' records."""
+    folder, records = bundle / f"qnn{soc}", {}
+    folder.mkdir()
+    for name, members in binary_groups(graphs).items():
+        wrappers = [folder / g["file"].replace("/", ".") for g in members]
+        shared = qnn.compile_shared([bundle / g["file"] for g in members], soc, wrappers, name,
+                                    [qnn.fp16_precision(g) for g in members])
+        names = {g["name"]: g for g in binary_info(folder / name)["graphs"]}
+        if len(names) != len(members):
+            raise RuntimeError(f"{folder.name}/{name} holds {len(names)} graphs; expected the {len(members)} compiled "
+                               "into it")
+        for g, wrapper, record in zip(members, wrappers, shared["graphs"]):
+            graph = check_wrapper(wrapper, bundle / g["file"])["name"]
+            g.setdefault("qnn", {})[str(soc)] = {
+                "wrapper": str(wrapper.relative_to(bundle)), "binary": f"{folder.name}/{name}",
+                "sha256": shared["sha256"], "graph": graph, "check": verify.PROVEN,
+                "soc_model": soc, "qnn": shared["qnn"]} | {k: record[k] for k in ("fp16_precision", "compile_seconds",
+                                                                                  "placement")}
+        records[f"{folder.name}/{name}"] = {"soc_model": soc, "bytes": shared["bytes"], "sha256": shared["sha256"],
+                                            "graphs": len(names), "wrappers": [str(w.relative_to(bundle)) for w in wrappers]}
+        log(f"compiled {len(members)} graphs for the QNN HTP of SoC {soc} into {folder.name}/{name} "
+            f"({shared['bytes'] / 1e6:.1f} MB, {sum(r['compile_seconds'] for r in shared['graphs']):.0f} s)")
+    return records
 
 
 def greedy_texts(bundle: Path, graphs: list[dict], model, runtimes: list[str], log=print) -> dict:
@@ -419,12 +496,23 @@ def readme(config: AttentionConfig, runtimes: dict, htp: dict, windows: list[int
     accepted = "\n".join(f"- {rt}: " + ", ".join(f"`{t}` " + (f"no (refuses {', '.join(r['refuses'])})" if r["refuses"]
                                                              else "yes") for t, r in rts.items())
                          for rt, rts in runtimes.items())
-    deploy = "\n".join(f"| {soc} | {htp['soc_names'][str(soc)]} | `*.npu.qnn{soc}.onnx` |" for soc in htp["socs"])
+    deploy = "\n".join(f"| {soc} | {htp['soc_names'][str(soc)]} | `qnn{soc}/` | "
+                       + ", ".join(f"`{Path(b).name}` {r['bytes'] / 1e6:.1f} MB ({r['graphs']} graphs)"
+                                   for b, r in htp["binaries"].items() if r["soc_model"] == soc) + " |"
+                       for soc in htp["socs"])
     compiled = (f"Every npu graph is also compiled for the Hexagon NPU (HTP) of each SoC below with {htp['version']}, "
-                "every node on the HTP (CPU fallback disabled), as an `EPContext` model beside it: load that file with "
-                "onnxruntime's QNN execution provider on a device with that chip, and nothing is compiled on the device. "
-                "The HTP runs the float graphs in fp16. They were compiled and checked in QNN's host emulation of the "
-                "HTP, not on a phone.") if htp["socs"] else htp["note"]
+                "every node on the HTP (CPU fallback disabled). Per SoC, folder `qnnSOC/` holds one QNN context binary "
+                "per kind and scheme, every step and window of it inside and each weight stored once, and per graph "
+                "a small `EPContext` wrapper (`<folder>.<file>`, embed mode 0) naming its graph in the binary. To "
+                "deploy, copy the SoC's folder whole to a device with that chip and open each wrapper with "
+                "onnxruntime's QNN execution provider (`backend_type` htp, the SoC's `soc_model`), every session "
+                "with the session option `ep.share_ep_contexts` = 1, so each binary is loaded once, however many of "
+                "its wrappers are open. Nothing is compiled on the device. The HTP runs the float graphs in fp16. They were compiled "
+                "and checked in QNN's host emulation of the HTP, not on a phone: it loads a binary holding one graph, "
+                "not one holding several, so each shipped graph in a shared binary was checked by running the same "
+                "source compiled alone, proven equal to the shipped one by both binaries' metadata (`checked` in "
+                f"manifest.json: {htp['checked'][verify.PROVEN]} proven, none run as shipped). A phone still has to confirm that the shared "
+                "binaries load and match their goldens.") if htp["socs"] else htp["note"]
     QDQ_MASK = registry.QDQ_MASK_VALUE  # noqa: N806
     folders = "\n".join(FOLDERS[k] for k in kinds)
     return f"""# Attention hand-off bundle
@@ -452,9 +540,9 @@ sequence (token ids for the whole model, hidden states else) over the graph's wi
 cache rows of that sequence before it. Prefill graphs: a chunk at position 0, one at T (over the first chunk's
 rows: a graph that confuses the past K and V passes an empty cache, not this) and one ending at row W-1. Decode
 graphs: {DECODE_STEPS} steps right after the first chunk, then one at row W-1, reading every row before it. So
-each window's graphs are checked at that window's depth. The whole model's goldens leave the L caches out but for
-the rows before a step that no earlier step of the golden wrote: the verifier keeps them as your host would,
-writing each step's reference rows. Check them with `python -m runtime.verify .` (needs only numpy, onnxruntime
+each window's graphs are checked at that window's depth. The npu graphs' goldens leave the caches out but for the
+rows before a step that no earlier step of the golden wrote: the verifier keeps them as your host would, writing
+each step's reference rows; the others hold each present cache's rows written so far, the rows a check compares. Check them with `python -m runtime.verify .` (needs only numpy, onnxruntime
 and, optionally, openvino and onnxruntime-qnn). Every output is held to its graph's budget (`budget` in
 manifest.json: max_rel, the normwise relative error max |a - e| / max |e|: fp32 1e-4, fp16 1e-2, the QDQ
 graphs' their scheme's; for logits also KL and top-1 where the budget has them); NaN or inf never passes. A
@@ -501,8 +589,8 @@ chunk of all but its last token, then a decode step for the last), then one deco
 
 {compiled}
 
-| soc_model | chip | deploy |
-|---|---|---|
+| soc_model | chip | deploy | context binaries |
+|---|---|---|---|
 {deploy}
 
 ## Verified on (measured when this bundle was built; a runtime that refuses a target names the ops)

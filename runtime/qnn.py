@@ -11,7 +11,10 @@ this machine (not on a phone). What the hand-off learned from it:
   QDQ graph's float activations (mixed precision: a trained model's residual stream), and the
   matmuls beside them keep float weights: QNN takes no per-channel DequantizeLinear outside
   a quantized group;
-- `ep.context_enable` writes the compiled graph as an `EPContext` model, what an engineer deploys;
+- `ep.context_enable` writes the compiled graph as an `EPContext` model; with `ep.share_ep_contexts`, graphs
+  compiled one after another go into one context binary (embed mode 0) holding their weights once, each graph a
+  small wrapper naming it in the binary: what a bundle ships. QNN's host emulation loads such a binary only while
+  it holds a single graph (runtime/qnn_binary.py reads the others' metadata);
 - the op trace (`enable_framework_op_trace`) says which QNN op each node became, and which
   nodes it could not take: onnxruntime's error for a graph with such nodes names none of them,
   so `session` compiles it again with CPU fallback allowed and names them from the trace.
@@ -20,6 +23,7 @@ No torch here: the bundle verifier uses it with numpy and onnxruntime alone.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 import time
@@ -125,38 +129,51 @@ def _unsupported(path: str | Path, soc: int, fp16: bool) -> dict[str, str]:
     return dict(sorted((n["op_type"], n["reason"].split(".")[0]) for n in causes))
 
 
-def compile_graph(path: Path, soc: int, out: Path, fp16: bool = True) -> dict:
-    """Compile `path` for SoC `soc` into the EPContext model `out`; what it took and where the nodes went."""
-    with tempfile.TemporaryDirectory() as trace:
-        start = time.perf_counter()
-        session(path, soc, context=out, trace=Path(trace), fp16=fp16)
-        seconds = time.perf_counter() - start
-        placement = _placement(Path(trace))
-    return {"soc_model": soc, "qnn": version(), "fp16_precision": fp16, "compile_seconds": round(seconds, 1), "bytes": out.stat().st_size,
-            "placement": placement}
-
-
-def compile_shared(graphs: list[Path], soc: int, wrappers: list[Path], fp16: bool = True) -> dict:
-    """Compile `graphs` for SoC `soc` into one context binary holding them all, each graph's weights stored once however
-    many graphs read them, and an EPContext wrapper per graph (`wrappers`, in one folder) naming its graph in it. The
-    binary is written beside the wrappers, named after the first. What each compile took and where the nodes went."""
-    folder = wrappers[0].parent
-    if any(w.parent != folder for w in wrappers) or len(wrappers) != len(graphs) or not graphs:
-        raise ValueError("compile_shared: one wrapper per graph, all in one folder")
+def compile_shared(graphs: list[Path], soc: int, wrappers: list[Path], binary: str, fp16: list[bool]) -> dict:
+    """Compile `graphs` for SoC `soc` into one context binary holding them all, each weight stored once however many
+    graphs read it (QNN keeps one copy of equal constants, whatever their names), and an EPContext wrapper per graph
+    (`wrappers`, in one folder) naming its graph in it; `fp16`: per graph, as `session` takes it. The binary is written
+    beside the wrappers as `binary`. What each compile took and where the nodes went, the binary's size and sha256."""
+    folder = wrappers[0].parent if wrappers else None
+    if any(w.parent != folder for w in wrappers) or not graphs or not len(wrappers) == len(graphs) == len(fp16):
+        raise ValueError("compile_shared: one wrapper and one fp16 flag per graph, the wrappers in one folder")
     before, records = set(folder.glob("*.bin")), []
-    for i, (graph, wrapper) in enumerate(zip(graphs, wrappers)):
+    for i, (graph, wrapper, half) in enumerate(zip(graphs, wrappers, fp16)):
         with tempfile.TemporaryDirectory() as trace:
             start = time.perf_counter()
-            session(graph, soc, context=wrapper, trace=Path(trace), fp16=fp16,
+            session(graph, soc, context=wrapper, trace=Path(trace), fp16=half,
                     share="last" if i == len(graphs) - 1 else "more")
-            records.append({"wrapper": wrapper.name, "compile_seconds": round(time.perf_counter() - start, 1),
+            records.append({"wrapper": wrapper.name, "fp16_precision": half,
+                            "compile_seconds": round(time.perf_counter() - start, 1),
                             "placement": _placement(Path(trace))})
     written = sorted(set(folder.glob("*.bin")) - before)
     if len(written) != 1:
         raise RuntimeError(f"compiling {len(graphs)} graphs into one shared context wrote {len(written)} .bin files "
                            f"in {folder}; expected one")
-    return {"soc_model": soc, "qnn": version(), "fp16_precision": fp16, "binary": written[0].name,
-            "bytes": written[0].stat().st_size, "graphs": records}
+    written[0].rename(folder / binary)
+    for wrapper in wrappers:  # onnxruntime names the binary after the first wrapper; each wrapper names it
+        _point(wrapper, binary)
+    return {"soc_model": soc, "qnn": version(), "binary": binary,
+            "bytes": (folder / binary).stat().st_size, "sha256": sha256(folder / binary), "graphs": records}
+
+
+def _point(wrapper: Path, binary: str) -> None:
+    """Make the EPContext wrapper's node read its context from `binary` (a file beside it)."""
+    import onnx
+    model = onnx.load(wrapper)
+    for node in model.graph.node:
+        for a in node.attribute:
+            if node.op_type == "EPContext" and a.name == "ep_cache_context":
+                a.s = binary.encode()
+    onnx.save(model, wrapper)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _placement(trace: Path) -> dict:

@@ -139,12 +139,15 @@ def _onnx_signature(values) -> list[dict]:
              "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name} for v in values]
 
 
-def _same(qnn: list[dict], source: list[dict]) -> bool:
-    """QNN's I/O against the source graph's: names and shapes equal, dtypes too unless QNN's is fixed-point (a QDQ
-    graph whose I/O quantization onnxruntime runs on the CPU)."""
-    fixed = lambda q, s: s[2] if q[2].startswith(("ufixed", "sfixed")) else q[2]  # noqa: E731
-    return len(qnn) == len(source) and all(q[:2] == s[:2] and fixed(q, s) == s[2]
-                                           for q, s in zip(_signature(qnn), _signature(source)))
+def _difference(qnn: list[dict], source: list[dict]) -> str | None:
+    """The first of QNN's tensors that is not the source graph's (name, shape, and dtype unless QNN's is fixed-point:
+    a QDQ graph whose I/O quantization onnxruntime runs on the CPU), said in a few words; None if they all are."""
+    if len(qnn) != len(source):
+        return f"{len(qnn)} tensors against {len(source)}"
+    for q, s in zip(_signature(qnn), _signature(source)):
+        if q[:2] != s[:2] or (q[2] != s[2] and not q[2].startswith(("ufixed", "sfixed"))):
+            return f"{q[0]} {list(q[1])} {q[2]} against {s[0]} {list(s[1])} {s[2]}"
+    return None
 
 
 def check_wrapper(wrapper: str | Path, source: str | Path) -> dict:
@@ -157,20 +160,30 @@ def check_wrapper(wrapper: str | Path, source: str | Path) -> dict:
     wrapper, source = Path(wrapper), Path(source)
     nodes = onnx.load(wrapper, load_external_data=False).graph.node
     if len(nodes) != 1 or nodes[0].op_type != "EPContext":
-        raise BinaryError(f"{wrapper}: {len(nodes)} nodes ({', '.join(n.op_type for n in nodes)}); expected one "
+        raise BinaryError(f"{wrapper.name}: {len(nodes)} nodes ({', '.join(n.op_type for n in nodes)}); expected one "
                           "EPContext node")
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
     if attrs.get("embed_mode") != 0:
-        raise BinaryError(f"{wrapper}: embed_mode {attrs.get('embed_mode')}; expected 0 (a context binary beside it)")
+        raise BinaryError(f"{wrapper.name}: embed_mode {attrs.get('embed_mode')}; expected 0 (a context binary beside it)")
     binary, name = wrapper.parent / attrs["ep_cache_context"].decode(), attrs["partition_name"].decode()
     info = binary_info(binary)
     graph = next((g for g in info["graphs"] if g["name"] == name), None)
     if graph is None:
-        raise BinaryError(f"{wrapper}: names graph {name}, which {binary.name} does not hold (it holds "
+        raise BinaryError(f"{wrapper.name}: names graph {name}, which {binary.name} does not hold (it holds "
                           f"{len(info['graphs'])}); expected the graph it was compiled with")
     model = onnx.load(source, load_external_data=False).graph
     for side, qnn_io, source_io in (("inputs", graph["inputs"], model.input), ("outputs", graph["outputs"], model.output)):
-        if not _same(qnn_io, _onnx_signature(source_io)):
-            raise BinaryError(f"{wrapper}: graph {name}'s {side} {_signature(qnn_io)[:4]}... are not {source.name}'s "
-                              f"{_signature(_onnx_signature(source_io))[:4]}...; expected the graph compiled from it")
+        if differs := _difference(qnn_io, _onnx_signature(source_io)):
+            raise BinaryError(f"{wrapper.name}: graph {name}'s {side} are not {source.name}'s ({differs}); expected the "
+                              "graph compiled from it")
     return graph | {"binary": binary.name, "build": info["build"], "soc_model": info["soc_model"]}
+
+
+def differences(shipped: dict, alone: dict) -> list[str]:
+    """What the binary metadata of a shipped graph (check_wrapper's answer) says differs from that of the graph
+    compiled alone from the same source (`alone`, likewise): the QNN build, the SoC, each input and output's name,
+    dtype (fixed-point encodings included) and shape. Graph names are left out: onnxruntime-qnn derives them from
+    the source's path."""
+    found = [f"{key} {shipped[key]} against {alone[key]}" for key in ("build", "soc_model") if shipped[key] != alone[key]]
+    return found + [f"{side} {_signature(shipped[side])} against {_signature(alone[side])}"
+                    for side in ("inputs", "outputs") if _signature(shipped[side]) != _signature(alone[side])]

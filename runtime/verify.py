@@ -3,9 +3,13 @@
 Every graph listed in the bundle's manifest.json is run on its golden inputs in
 onnxruntime (CPU); where the `openvino` package is installed, compiled and run with
 OpenVINO on its CPU device; and where `onnxruntime-qnn` is installed, on Qualcomm's QNN HTP
-in host emulation for each SoC the bundle was compiled for (`qnn-htp-57`, ...): through the
-bundle's compiled EPContext model for that SoC where it has one, else compiled from the graph,
-either way with no CPU fallback. The HTP runs float graphs in fp16, so they are judged at the
+in host emulation for each SoC the bundle was compiled for (`qnn-htp-57`, ...), with no CPU
+fallback. The bundle ships, per SoC, wrappers over weight-shared context binaries holding several
+graphs each, which QNN's host emulation does not load: so the graph compiled alone from its source
+is run, once the shipped graph is shown to be its equal (the binary's sha256 as the manifest has
+it, the wrapper naming the graph the manifest records, and that graph's inputs, outputs, QNN build
+and SoC in the binary's own metadata those of the graph compiled alone). A graph the bundle did
+not compile is compiled from the graph. The HTP runs float graphs in fp16, so they are judged at the
 fp16 tolerance there, or at metrics.FP16_HEADROOM times the model's own fp16 drift on that output in eager PyTorch
 (the bundle's fp16_drift, per output; at most metrics.FP16_CAP) where that is more (metrics.fp16_tolerance); quantized (QDQ) graphs run as quantized, everywhere judged at the accuracy
 budget the bundle records for them. Each output is compared with the eager-PyTorch output stored
@@ -18,21 +22,26 @@ its budget fails, on every runtime; exits 1 on any FAIL.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from . import qnn
 from .cli import Parser, run
+from .qnn_binary import BinaryError, binary_info, check_wrapper, differences
 from .metrics import Budget, error, fp16_tolerance, logit_error, per_output, swapped, worst
 
 import numpy as np
 import onnxruntime as ort
 
 
-FORMAT = 2  # manifest.json: 2 records, per runtime and target, the ops the runtime refuses
+# manifest.json: 2 records, per runtime and target, the ops the runtime refuses; 3 ships the npu graphs compiled for
+# each SoC as wrappers over weight-shared context binaries (qnnSOC/), with each binary's sha256
+FORMAT = 3
 
 
 class BundleError(ValueError):
@@ -113,10 +122,61 @@ QNN = "qnn-htp-"
 
 def _runner(bundle: Path, graph: dict, runtime: str):
     if runtime.startswith(QNN):
-        soc = runtime.removeprefix(QNN)
-        compiled = graph.get("qnn", {}).get(soc)
-        return _qnn(bundle / (compiled["file"] if compiled else graph["file"]), int(soc), qnn.fp16_precision(graph))
+        soc, fp16 = int(runtime.removeprefix(QNN)), qnn.fp16_precision(graph)
+        shipped = graph.get("qnn", {}).get(str(soc))
+        if shipped is None:  # a graph the bundle did not compile (a planted copy): compiled from its source
+            return _qnn(bundle / graph["file"], soc, fp16)
+        found = _shipped(bundle, graph, shipped, soc)
+        with tempfile.TemporaryDirectory() as folder:  # the session keeps what it loaded; the files can go
+            return _qnn(_alone(bundle, graph, found, shipped["fp16_precision"], Path(folder)), soc, fp16)
     return RUNTIMES[runtime](bundle / graph["file"])
+
+
+# How the check reaches a shipped QNN wrapper. Its binary holds every step and window of its kind and scheme, which QNN's
+# host emulation does not load (runtime/qnn_binary.py), so the graph compiled alone from the same source is run there
+# and the shipped graph is proven equal to it by both binaries' metadata.
+PROVEN = "proven equal by binary metadata to a single-graph context that was run"
+
+
+def _shipped(bundle: Path, graph: dict, shipped: dict, soc: int) -> dict:
+    """The shipped wrapper's graph (check_wrapper), once its binary is the one the manifest hashed, compiled for SoC
+    `soc`, and the wrapper names the graph the manifest records; raises BinaryError naming what differs."""
+    binary = bundle / shipped["binary"]
+    if (digest := _sha256(binary, *_stat(binary))) != shipped["sha256"]:
+        raise BinaryError(f"{shipped['binary']}: sha256 {digest[:16]}...; expected {shipped['sha256'][:16]}... "
+                          "(manifest.json): the binary changed after the bundle was built")
+    found = check_wrapper(bundle / shipped["wrapper"], bundle / graph["file"])
+    if (found["binary"], found["name"]) != (binary.name, shipped["graph"]):
+        raise BinaryError(f"{shipped['wrapper']}: runs graph {found['name']} of {found['binary']}; expected "
+                          f"{shipped['graph']} of {binary.name} (manifest.json)")
+    if found["soc_model"] != soc:
+        raise BinaryError(f"{shipped['binary']}: compiled for SoC {found['soc_model']}; expected {soc}")
+    return found
+
+
+def _alone(bundle: Path, graph: dict, found: dict, fp16: bool, folder: Path) -> Path:
+    """The wrapper of `graph` compiled alone (into `folder`) for the shipped graph's SoC (`found`) with its options,
+    once the shipped graph is shown to be its equal: its inputs, outputs, QNN build and SoC in its binary's metadata
+    those of the graph compiled alone. Raises BinaryError naming what differs."""
+    wrapper = folder / "alone.onnx"
+    qnn.compile_shared([bundle / graph["file"]], found["soc_model"], [wrapper], "alone.bin", [fp16])
+    alone = binary_info(folder / "alone.bin")
+    if differs := differences(found, alone["graphs"][0] | {"build": alone["build"], "soc_model": alone["soc_model"]}):
+        raise BinaryError(f"{graph['file']}: graph {found['name']} of {found['binary']} is not the graph its source "
+                          f"compiles to alone: {'; '.join(differs)}")
+    return wrapper
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    try:
+        return path.stat().st_size, path.stat().st_mtime_ns
+    except OSError:
+        raise BinaryError(f"{path}: no such file; expected the context binary manifest.json names") from None
+
+
+@functools.cache
+def _sha256(path: Path, size: int, mtime: int) -> str:  # a part's binary is a gigabyte: hashed once while unchanged
+    return qnn.sha256(path)
 
 
 def budget(graph: dict, runtime: str, output: str) -> Budget:
@@ -228,7 +288,7 @@ def _manifest(bundle: Path) -> dict:
         raise BundleError(f"{bundle}: no readable manifest.json with graphs ({e}); expected a bundle from make handoff") from None
     if manifest.get("format") != FORMAT:
         raise BundleError(f"{bundle}: manifest format {manifest.get('format')}; expected {FORMAT} (rebuild it with make "
-                          "handoff: earlier bundles record no refused ops)")
+                          "handoff: earlier bundles embed a copy of the weights in every compiled graph)")
     return manifest
 
 
@@ -246,7 +306,9 @@ def _detail(r: dict, graph: dict, runtime: str, excused: list[str]) -> str:
         soc = runtime.removeprefix(QNN)
         kept = graph.get("quantized", {}).get("float_activations")
         precision = "fp16" if "quantized" not in graph else "quantized" + (f" ({len(kept)} activations fp16)" if kept else "")
-        detail += (f", compiled {graph['qnn'][soc]['file']}" if soc in graph.get("qnn", {}) else "") + f", {precision} on the HTP"
+        shipped = graph.get("qnn", {}).get(soc)
+        detail += (f", shipped {shipped['wrapper']} ({shipped['check']})" if shipped else ", compiled from the graph") \
+            + f", {precision} on the HTP"
     if "quantized" in graph:
         detail += f" (budget {', '.join(f'{k} {v:g}' for k, v in graph['budget'].items())})"
     return f"{r['why']}; {detail}" if r["why"] else detail

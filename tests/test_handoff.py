@@ -17,7 +17,8 @@ from export.handoff import build
 from models import preset
 from runtime import qnn
 from runtime.metrics import FP16_CAP, FP16_HEADROOM, why_not
-from runtime.verify import budget, main as verify_main, verify_graph
+from runtime import verify
+from runtime.verify import HostCache, budget, main as verify_main, verify_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +44,7 @@ def test_bundle_contents(bundle):
     assert {n["rule"] for n in lints["lm-fp32/decode.npu.onnx"]["notes"]} == {"qnn-fp16-precision"}
     assert m["contract"]["npu"]["mask_value"] == -30000.0 and m["contract"]["npu"]["opset"] == 17
     accepted = {"refuses": []}
-    assert m["format"] == 2 and m["runtimes"]["onnxruntime"] == {"onnx": accepted, "npu": accepted, "npu-w8a16": accepted}
+    assert m["format"] == 3 and m["runtimes"]["onnxruntime"] == {"onnx": accepted, "npu": accepted, "npu-w8a16": accepted}
     # OpenVINO 2026.4 has no TensorScatter, nor has QNN's HTP (nor Attention with a boolean mask); both run the QDQ
     # graphs within their budget. What they refuse is recorded by name, with the error that named it.
     assert m["runtimes"]["openvino-cpu"] == {"onnx": {"refuses": ["TensorScatter"], "error": "RuntimeError: No conversion "
@@ -66,9 +67,12 @@ def test_bundle_contents(bundle):
     assert m["qnn"]["socs"] == [57] and m["qnn"]["version"].startswith("QNN 2.51")
     for g in (g for g in m["graphs"] if g["target"] == "npu"):  # compiled, every node on the HTP
         compiled = g["qnn"]["57"]
-        assert (bundle / compiled["file"]).is_file() and compiled["soc_model"] == 57
+        assert (bundle / compiled["wrapper"]).is_file() and compiled["soc_model"] == 57
         assert compiled["placement"]["htp_nodes"] > 10 and compiled["placement"]["unsupported"] == []
-    assert "| 57 | SM8650 (Snapdragon 8 Gen 3, HTP v75) | `*.npu.qnn57.onnx` |" in (bundle / "README.md").read_text()
+    assert set(m["qnn"]["binaries"]) == {f"qnn57/{k}.float.bin" for k in ("attention", "block", "lm")} | {
+        "qnn57/lm.w8a16.bin"}
+    assert re.search(r"\| 57 \| SM8650 \(Snapdragon 8 Gen 3, HTP v75\) \| `qnn57/` \| `attention.float.bin` \d+ MB "
+                     r"\(4 graphs\), ", (bundle / "README.md").read_text())
     assert "openvino-cpu: `onnx` no (refuses TensorScatter), `npu` yes" in (bundle / "README.md").read_text()
     lm = np.load(bundle / "lm-fp32/decode.npu.golden.npz")  # token ids in, caches left out
     assert lm["in.0.input_ids"].dtype == np.int32 and lm["out.0.logits"].shape == (1, 1, 128)
@@ -100,10 +104,11 @@ def test_verify_needs_only_the_bundle(bundle):
     assert sum(line.startswith("pass  onnxruntime") for line in lines) == 18
     assert sum(line.startswith("pass  openvino-cpu") for line in lines) == 14
     htp = [line for line in lines if line.startswith("pass  qnn-htp-57")]
-    assert len(htp) == 14 and sum(".qnn57.onnx, fp16 on the HTP" in line for line in htp) == 12
+    shipped = rf"shipped qnn57/\S+\.onnx \({re.escape(verify.PROVEN)}\)"
+    assert len(htp) == 14 and sum(bool(re.search(shipped + ", fp16 on the HTP", line)) for line in htp) == 12
     budget = json.loads((bundle / "lm-fp32/manifest.json").read_text())["lm"]["quantization"]["npu-w8a16"]["budget"][
         "max_rel"]
-    assert sum(bool(re.search(rf"\.qnn57\.onnx, quantized \(\d+ activations fp16\) on the HTP \(budget max_rel "
+    assert sum(bool(re.search(rf"{shipped}, quantized \(\d+ activations fp16\) on the HTP \(budget max_rel "
                               rf"{budget:g}\)", line)) for line in htp) == 2
     assert "top-1 100%" in [line for line in lines if "lm-fp32/decode.npu.onnx" in line][0]
     refused = [line for line in lines if line.startswith("not accepted (as the manifest says)")]
@@ -206,6 +211,8 @@ def test_verify_fails_a_bundle_with_a_planted_fault(bundle, tmp_path, capsys):
     manifest = json.loads((copy / "manifest.json").read_text())
     i = next(i for i, g in enumerate(manifest["graphs"]) if g["file"] == "attention-fp32/decode.npu.onnx")
     manifest["graphs"][i] = plant(copy, manifest["graphs"][i], "50% error")  # no compiled model: the HTP compiles it
+    keep = {"attention-fp32/decode.npu.50-error.onnx", "block-fp32/decode.npu.onnx"}  # every other graph passes
+    manifest["graphs"] = [g for g in manifest["graphs"] if g["file"] in keep]
     manifest["runtimes"]["openvino-cpu"]["npu"] = {"refuses": ["MatMul"], "error": "MatMul refused"}
     (copy / "manifest.json").write_text(json.dumps(manifest))
     golden = copy / "block-fp32/decode.npu.golden.npz"
@@ -259,17 +266,20 @@ def test_verify_refuses_a_folder_that_is_no_bundle(tmp_path, capsys):
     assert verify_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path}: no readable manifest.json") and err.count("\n") == 1
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "graphs": []}))  # runtimes as bools: no ops named
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 2, "graphs": []}))  # a compiled graph per file
     assert verify_main([str(tmp_path)]) == 2
-    assert capsys.readouterr().err == f"error: {tmp_path}: manifest format 1; expected 2 (rebuild it with make handoff: " \
-                                      "earlier bundles record no refused ops)\n"
+    assert capsys.readouterr().err == f"error: {tmp_path}: manifest format 2; expected 3 (rebuild it with make handoff: " \
+                                      "earlier bundles embed a copy of the weights in every compiled graph)\n"
 
 
 def test_fully_masked_rows_stay_finite_in_fp16(bundle):
     """The mask is finite by design: even a row with nothing visible gives numbers, not NaN."""
     import onnxruntime as ort
     golden = np.load(bundle / "attention-fp16/decode.npu.golden.npz")
-    feeds = {k.split(".", 2)[2]: golden[k] for k in golden.files if k.startswith("in.0.")}
+    graph = next(g for g in json.loads((bundle / "manifest.json").read_text())["graphs"]
+                 if g["file"] == "attention-fp16/decode.npu.onnx")
+    feeds = HostCache(graph["host_cache"], np.float16).feeds(
+        {k.split(".", 2)[2]: golden[k] for k in golden.files if k.startswith("in.0.")})
     feeds["attention_mask"] = np.full_like(feeds["attention_mask"], -30000.0)
     out = ort.InferenceSession(str(bundle / "attention-fp16/decode.npu.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)
     assert all(np.isfinite(o.astype(np.float32)).all() for o in out)
@@ -286,7 +296,14 @@ def test_a_bundle_carries_the_window_ladder(tmp_path, capsys, trained):
     assert set(small) == {f"attention-{d}/{s}.{t}.w32.onnx" for d, ts in (("fp32", ("npu", "onnx")), ("fp16", ("npu",)))
                           for t in ts for s in ("prefill", "decode")}
     golden = np.load(out / "attention-fp32/decode.npu.w32.golden.npz")
-    assert golden["in.0.past_key"].shape[2] == 32 and golden["in.0.attention_mask"].shape[-1] == 33
+    assert small["attention-fp32/decode.npu.w32.onnx"]["host_cache"]["shape"][2] == 32
+    assert golden["in.0.attention_mask"].shape[-1] == 33  # W rows + its own
+    # the host keeps the cache: only the rows before a step no earlier step wrote (16 after the first chunk, 31 before
+    # the last row), none for the steps between
+    assert [golden[f"in.{i}.past_key"].shape[2] if f"in.{i}.past_key" in golden.files else 0 for i in range(5)] == \
+        [16, 0, 0, 0, 31]
+    onnx_golden = np.load(out / "attention-fp32/decode.onnx.w32.golden.npz")  # present: the rows written so far
+    assert [onnx_golden[f"out.{i}.present_key"].shape[2] for i in range(5)] == [17, 18, 19, 20, 32]
     assert int(golden["in.4.position_ids"][0, 0]) == 31  # the window's last row: its depth, not C's
     prefill = np.load(out / "attention-fp32/prefill.npu.w32.golden.npz")
     assert [int(prefill[f"in.{i}.position_ids"][0, 0]) for i in range(int(prefill["steps"]))] == [0, 16]
@@ -409,3 +426,99 @@ def test_the_greedy_count_refuses_a_graph_with_zero_logits(trained, monkeypatch)
     got = verify.greedy(bundle, pair, "openvino-cpu", prompt, 8)
     monkeypatch.setattr(verify, "_runner", real)
     assert got == [0] * 8 and got != verify.greedy(bundle, pair, "openvino-cpu", prompt, 8)
+
+
+def _shipped_copy(trained, tmp_path) -> tuple[Path, dict]:
+    copy = tmp_path / "handoff"
+    shutil.copytree(trained / "handoff", copy)
+    return copy, json.loads((copy / "manifest.json").read_text())
+
+
+def test_the_npu_graphs_ship_in_one_weight_shared_binary_per_kind_and_scheme(trained, tmp_path):
+    """Per SoC: every float npu graph (fp32 and fp16, both steps, every window) in one binary holding the weights once,
+    the QDQ graphs in another; a wrapper per graph naming its graph in it, each proven equal to a run single-graph
+    context (the emulator loads no binary of several graphs)."""
+    from runtime.qnn_binary import binary_info
+    bundle = trained / "handoff"
+    m = json.loads((bundle / "manifest.json").read_text())
+    binaries = m["qnn"]["binaries"]
+    assert set(binaries) == {"qnn57/lm.float.bin", "qnn57/lm.w8a16.bin"}
+    npu = [g for g in m["graphs"] if g["target"].startswith("npu")]
+    assert all(g["qnn"]["57"]["check"] == verify.PROVEN for g in npu) and m["qnn"]["checked"][verify.PROVEN] == len(npu)
+    for name, record in binaries.items():
+        members = [g for g in npu if g["qnn"]["57"]["binary"] == name]
+        info = binary_info(bundle / name)
+        assert record["graphs"] == len(info["graphs"]) == len(members) and record["sha256"] == qnn.sha256(bundle / name)
+        assert {g["qnn"]["57"]["graph"] for g in members} == {g["name"] for g in info["graphs"]}
+        assert sorted(record["wrappers"]) == sorted(g["qnn"]["57"]["wrapper"] for g in members)
+    floats = [g for g in npu if g["qnn"]["57"]["binary"] == "qnn57/lm.float.bin"]
+    assert len(floats) == 8  # fp32 and fp16, prefill and decode, windows 32 and 64
+    # the weights once (fp16 on the HTP: the fp16 graphs' own weights file), not once per graph
+    fp16 = (bundle / "lm-fp16/weights.data").stat().st_size
+    assert fp16 < binaries["qnn57/lm.float.bin"]["bytes"] < len(floats) * fp16 / 2, (binaries, fp16)
+    # and once for the fp32 and the fp16 graphs together: the fp16 graphs' binary alone, twice over, less their weights
+    halves = [g for g in floats if g["dtype"] == "fp16"]
+    alone = qnn.compile_shared([bundle / g["file"] for g in halves], 57, [tmp_path / f"{i}.onnx" for i in range(4)],
+                               "fp16.bin", [True] * 4)
+    assert binaries["qnn57/lm.float.bin"]["bytes"] < 2 * alone["bytes"] - fp16 / 2, (binaries, alone["bytes"], fp16)
+    shipped = sorted(p.relative_to(bundle).as_posix() for p in (bundle / "qnn57").iterdir())
+    assert shipped == sorted([*binaries, *(g["qnn"]["57"]["wrapper"] for g in npu)])
+
+
+def _point(wrapper: Path, graph: str | None = None, binary: str | None = None) -> None:
+    """Planted: the wrapper's EPContext node names another graph or binary."""
+    model = onnx.load(wrapper)
+    for a in model.graph.node[0].attribute:
+        if a.name == "partition_name" and graph:
+            a.s = graph.encode()
+        if a.name == "ep_cache_context" and binary:
+            a.s = binary.encode()
+    onnx.save(model, wrapper)
+
+
+def test_verify_refuses_what_a_shipped_binary_or_wrapper_was_not_built_as(trained, tmp_path, capsys):
+    """Planted into copies of a shipped bundle, each refused on the HTP before anything runs: a wrapper naming another
+    window's graph, a binary whose sha256 is not the manifest's, a truncated binary and a foreign one (the manifest's
+    sha256 made theirs, as a rebuilt manifest would have it)."""
+    runtime = "qnn-htp-57"
+
+    def refused(copy, m, file) -> str:
+        graph = next(g for g in m["graphs"] if g["file"] == file)
+        r = verify_graph(copy, graph, runtime)
+        assert not r["ok"] and r["load_error"].startswith("BinaryError: "), r
+        return r["load_error"]
+
+    def rehash(copy, m, name) -> None:
+        for g in m["graphs"]:
+            for c in g.get("qnn", {}).values():
+                c["sha256"] = qnn.sha256(copy / name) if c["binary"] == name else c["sha256"]
+
+    copy, m = _shipped_copy(trained, tmp_path / "window")
+    small, large = (next(g for g in m["graphs"] if g["file"] == f"lm-fp32/decode.npu{w}.onnx") for w in (".w32", ""))
+    _point(copy / small["qnn"]["57"]["wrapper"], graph=large["qnn"]["57"]["graph"])
+    assert "are not decode.npu.w32.onnx's" in refused(copy, m, small["file"])
+
+    copy, m = _shipped_copy(trained, tmp_path / "sha")
+    with open(copy / "qnn57/lm.float.bin", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    assert "the binary changed after the bundle was built" in refused(copy, m, "lm-fp16/prefill.npu.onnx")
+    m["graphs"] = [g for g in m["graphs"] if g["window"] == 32]  # the CLI over the small window's graphs: all FAIL
+    (copy / "manifest.json").write_text(json.dumps(m))
+    assert verify_main([str(copy)]) == 1
+    fails = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 4 and all(line.startswith(f"FAIL  {runtime}") and "did not load: BinaryError: " in line
+                                   for line in fails), fails
+
+    copy, m = _shipped_copy(trained, tmp_path / "truncated")
+    binary = copy / "qnn57/lm.float.bin"
+    binary.write_bytes(binary.read_bytes()[:4096])
+    rehash(copy, m, "qnn57/lm.float.bin")
+    assert "does not read it as a QNN context binary" in refused(copy, m, "lm-fp32/decode.npu.onnx")
+
+    copy, m = _shipped_copy(trained, tmp_path / "foreign")
+    shutil.copy(copy / "qnn57/lm.w8a16.bin", copy / "qnn57/lm.float.bin")
+    rehash(copy, m, "qnn57/lm.float.bin")
+    assert "which lm.float.bin does not hold" in refused(copy, m, "lm-fp32/decode.npu.onnx")

@@ -34,22 +34,23 @@ def steps(tmp_path_factory):
 
 
 def test_one_binary_holds_every_graph_and_their_weights_once(steps, tmp_path):
-    shared = qnn.compile_shared(steps, 57, [tmp_path / "prefill.qnn57.onnx", tmp_path / "decode.qnn57.onnx"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["prefill.qnn57.onnx", "decode.qnn57.onnx",
-                                                                 shared["binary"]])
+    shared = qnn.compile_shared(steps, 57, [tmp_path / "prefill.qnn57.onnx", tmp_path / "decode.qnn57.onnx"],
+                                "steps.bin", [True, True])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.qnn57.onnx", "prefill.qnn57.onnx", "steps.bin"]
     info = binary_info(tmp_path / shared["binary"])
     assert info["soc_model"] == 57 and len(info["graphs"]) == 2
     shapes = sorted(g["inputs"][0]["shape"] for g in info["graphs"])
     assert shapes == [[1, 1, E], [1, 8, E]]
     assert all(g["inputs"][0]["dtype"] == "float32" and g["outputs"][0]["name"] == "y" for g in info["graphs"])
     # each graph alone embeds its own copy of the weight (E*E in fp16 on the HTP); shared, the two hold one
-    alone = [qnn.compile_graph(s, 57, tmp_path / f"{s.stem}.alone.onnx")["bytes"] for s in steps]
+    alone = [qnn.compile_shared([s], 57, [tmp_path / s.stem / "alone.onnx"], "alone.bin", [True])["bytes"]
+             for s in steps if (tmp_path / s.stem).mkdir() is None]
     assert shared["bytes"] < 0.7 * sum(alone), (shared["bytes"], alone)
     assert shared["bytes"] > 2 * E * E  # the weight is in it
 
 
 def test_a_truncated_or_foreign_binary_is_refused_with_its_name(steps, tmp_path):
-    shared = qnn.compile_shared(steps, 57, [tmp_path / "a.onnx", tmp_path / "b.onnx"])
+    shared = qnn.compile_shared(steps, 57, [tmp_path / "a.onnx", tmp_path / "b.onnx"], "ab.bin", [True, True])
     data = (tmp_path / shared["binary"]).read_bytes()
     (tmp_path / "truncated.bin").write_bytes(data[: len(data) // 2])
     for bad in (tmp_path / "truncated.bin", steps[0], tmp_path / "missing.bin"):
@@ -64,7 +65,7 @@ def test_data_type_names():
 
 def test_a_wrapper_is_checked_against_its_source_graph(steps, tmp_path):
     wrappers = [tmp_path / "prefill.qnn57.onnx", tmp_path / "decode.qnn57.onnx"]
-    shared = qnn.compile_shared(steps, 57, wrappers)
+    shared = qnn.compile_shared(steps, 57, wrappers, "steps.bin", [True, True])
     for wrapper, source in zip(wrappers, steps):
         assert check_wrapper(wrapper, source)["binary"] == shared["binary"]
     # planted: the decode wrapper names the prefill's graph (another step's shapes, as another window's would be)
