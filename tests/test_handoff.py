@@ -71,7 +71,7 @@ def test_bundle_contents(bundle):
         assert compiled["placement"]["htp_nodes"] > 10 and compiled["placement"]["unsupported"] == []
     assert set(m["qnn"]["binaries"]) == {f"qnn57/{k}.float.bin" for k in ("attention", "block", "lm")} | {
         "qnn57/lm.w8a16.bin"}
-    assert re.search(r"\| 57 \| SM8650 \(Snapdragon 8 Gen 3, HTP v75\) \| `qnn57/` \| `attention.float.bin` \d+ MB "
+    assert re.search(r"\| 57 \| SM8650 \(Snapdragon 8 Gen 3, HTP v75\) \| `qnn57/` \| `attention.float.bin` [\d.]+ MB "
                      r"\(4 graphs\), ", (bundle / "README.md").read_text())
     assert "openvino-cpu: `onnx` no (refuses TensorScatter), `npu` yes" in (bundle / "README.md").read_text()
     lm = np.load(bundle / "lm-fp32/decode.npu.golden.npz")  # token ids in, caches left out
