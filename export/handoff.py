@@ -346,7 +346,7 @@ def compile_binaries(bundle: Path, graphs: list[dict], soc: int, log=print) -> d
         wrappers = [folder / g["file"].replace("/", ".") for g in members]
         shared = qnn.compile_shared([bundle / g["file"] for g in members], soc, wrappers, name,
                                     [qnn.fp16_precision(g) for g in members])
-        names = {g["name"]: g for g in binary_info(folder / name)["graphs"]}
+        names = {g["name"] for g in binary_info(folder / name)["graphs"]}
         if len(names) != len(members):
             raise RuntimeError(f"{folder.name}/{name} holds {len(names)} graphs; expected the {len(members)} compiled "
                                "into it")

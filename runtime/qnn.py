@@ -81,21 +81,20 @@ class Refused(RuntimeError):
 
 
 def session(path: str | Path, soc: int, context: Path | None = None, trace: Path | None = None,
-            fp16: bool = True, share: str | None = None) -> ort.InferenceSession:
-    """The graph (or a compiled EPContext model) on the HTP of SoC `soc`, every node on it; `context` writes the
-    compiled model there, `trace` the op trace into that folder. `fp16`: run float ops in fp16 (what float graphs
-    need); a quantized (QDQ) graph compiles without it. `share` ("more" or "last"): compile into the context the
-    process's earlier sharing sessions opened, its weights stored once in one .bin beside the wrappers, which the
-    "last" one writes (embed mode 0). Raises Refused naming the ops where nodes would fall back."""
+            fp16: bool = True, last: bool = True) -> ort.InferenceSession:
+    """The graph (or a compiled EPContext model) on the HTP of SoC `soc`, every node on it; `trace` writes the op trace
+    into that folder. `fp16`: run float ops in fp16 (what float graphs need); a quantized (QDQ) graph compiles without
+    it. `context`: compile the graph into the context the process's earlier compiling sessions opened, writing its
+    EPContext wrapper there (embed mode 0); the `last` one of them writes that context's one .bin beside the wrappers,
+    every weight in it once. Raises Refused naming the ops where nodes would fall back."""
     options = _options(soc, fp16, trace)
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     if context is not None:
         options.add_session_config_entry("ep.context_enable", "1")
         options.add_session_config_entry("ep.context_file_path", str(context))
-        options.add_session_config_entry("ep.context_embed_mode", "0" if share else "1")
-    if share:
+        options.add_session_config_entry("ep.context_embed_mode", "0")
         options.add_session_config_entry("ep.share_ep_contexts", "1")
-        if share == "last":
+        if last:
             options.add_session_config_entry("ep.stop_share_ep_contexts", "1")
     try:
         return ort.InferenceSession(str(path), options)
@@ -141,8 +140,7 @@ def compile_shared(graphs: list[Path], soc: int, wrappers: list[Path], binary: s
     for i, (graph, wrapper, half) in enumerate(zip(graphs, wrappers, fp16)):
         with tempfile.TemporaryDirectory() as trace:
             start = time.perf_counter()
-            session(graph, soc, context=wrapper, trace=Path(trace), fp16=half,
-                    share="last" if i == len(graphs) - 1 else "more")
+            session(graph, soc, context=wrapper, trace=Path(trace), fp16=half, last=i == len(graphs) - 1)
             records.append({"wrapper": wrapper.name, "fp16_precision": half,
                             "compile_seconds": round(time.perf_counter() - start, 1),
                             "placement": _placement(Path(trace))})
